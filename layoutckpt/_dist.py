@@ -1,0 +1,101 @@
+"""The few collectives a save needs, on small integer tensors (no pickled objects).
+
+Every rank plans alone; the collectives only check that the ranks agree (a digest of names and
+dtypes, the sums and extremes of local shapes), share the temporary directory's name, and
+agree on success before the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ._errors import WorldSizeError
+from ._spec import Mesh
+
+
+@attrs.frozen
+class Comm:
+    rank: int
+    world: int
+    group: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        backend = dist.get_backend(self.group)
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def all_reduce(self, values: Sequence[int], op: str) -> list[int]:
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group)
+        return t.tolist()
+
+    def all_max_min(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
+        both = self.all_reduce([*values, *(-v for v in values)], "max")
+        n = len(values)
+        return both[:n], [-v for v in both[n:]]
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank."""
+        if self.world == 1:
+            assert data is not None
+            return data
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, group=self.group, group_src=0)
+        if int(size.item()) == 0:
+            return b""
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            assert data is not None
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dist.broadcast(buf, group=self.group, group_src=0)
+        return bytes(buf.cpu().numpy().tobytes())
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        if self.world == 1:
+            return [data]
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self.device), group=self.group)
+        longest = max(1, max(int(s.item()) for s in sizes))
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.zeros(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+        dist.all_gather(bufs, mine, group=self.group)
+        return [bytes(b.cpu().numpy()[: int(s.item())].tobytes()) for b, s in zip(bufs, sizes)]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.all_reduce([0], "max")
+
+
+def comm_for(mesh: Mesh, group: Any = None, rank: int | None = None) -> Comm:
+    """This process's place: the default process group (or ``group``), else a world of one."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size(group)
+        me = dist.get_rank(group)
+    else:
+        if group is not None:
+            raise WorldSizeError("a process group was passed but torch.distributed is not initialized")
+        world, me = 1, 0
+    if rank is not None and rank != me:
+        raise WorldSizeError(f"rank={rank} was passed but this process is rank {me} of its process group")
+    if mesh.size != world:
+        raise WorldSizeError(
+            f"{mesh!r} has {mesh.size} devices but the process group has {world} ranks; "
+            f"declare a mesh whose axis sizes multiply to {world}"
+        )
+    return Comm(me, world, group)
+
+
+def digest(items: object) -> list[int]:
+    """Two int64 words of a SHA-256 of ``repr(items)``: equal on every rank iff the ranks agree."""
+    h = hashlib.sha256(repr(items).encode()).digest()
+    return [int.from_bytes(h[:7], "little"), int.from_bytes(h[7:14], "little")]

@@ -1,0 +1,48 @@
+"""The exceptions layoutckpt raises.
+
+Each subclasses the standard exception a caller would already catch (``ValueError`` for bad
+input, ``FileNotFoundError`` for a missing checkpoint), so generic handlers keep working, and
+each message names the array, what was expected, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class LayoutError(ValueError):
+    """A mesh, spec or layout rule does not fit the arrays it is applied to."""
+
+
+class InconsistentShardsError(LayoutError):
+    """Ranks disagree about an array: its local shard shapes, dtype, or the set of names."""
+
+
+class WorldSizeError(LayoutError):
+    """The mesh has a different number of devices than the process group has ranks."""
+
+
+class InvalidNameError(ValueError):
+    """A global array name cannot be mapped to a safe storage path."""
+
+
+class TemplateMismatchError(ValueError):
+    """A ``like=`` template asks for a shape or dtype that differs from the stored array."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No committed checkpoint exists at the given path."""
+
+
+class CheckpointExistsError(FileExistsError):
+    """A committed checkpoint already exists where a save was asked to write."""
+
+
+class FormatError(ValueError):
+    """The checkpoint's metadata is corrupt or not a layoutckpt format this version knows."""
+
+
+class NewerFormatError(FormatError):
+    """The checkpoint was written by a newer format version than this library reads."""
+
+
+class SaveError(RuntimeError):
+    """Writing a checkpoint failed on at least one rank; nothing was committed."""

@@ -1,0 +1,220 @@
+"""The on-disk format as frozen values: JSON in, checked once at the edge, JSON out.
+
+``docs/format.md`` is the normative description; this module is its only implementation. The
+root group's ``zarr.json`` carries :class:`CheckpointMeta` under the ``"layoutckpt"`` attribute
+and is written last: it is the commit marker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ._errors import FormatError, NewerFormatError
+from ._spec import Mesh, P
+
+FORMAT_VERSION = 1
+ATTRS_KEY = "layoutckpt"
+KINDS = ("torch", "numpy", "numpy_scalar")
+COMPRESSIONS = (None, "zstd", "blosc")
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise FormatError(f"{what} must be a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def _compression_codec(compression: str | None, itemsize: int) -> list[dict[str, Any]]:
+    if compression is None:
+        return []
+    if compression == "zstd":
+        return [{"name": "zstd", "configuration": {"level": 3, "checksum": False}}]
+    if compression == "blosc":
+        return [
+            {
+                "name": "blosc",
+                "configuration": {
+                    "cname": "zstd",
+                    "clevel": 3,
+                    "shuffle": "shuffle" if itemsize > 1 else "bitshuffle",
+                    "typesize": itemsize,
+                    "blocksize": 0,
+                },
+            }
+        ]
+    raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+
+
+@attrs.frozen
+class ArrayMeta:
+    """One stored array: where it lives, its global shape and dtype, and how it is chunked."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    shard_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+    spec: P
+    kind: str = "torch"
+    compression: str | None = None
+
+    @property
+    def itemsize(self) -> int:
+        from ._dtypes import numpy_dtype
+
+        return numpy_dtype(self.dtype).itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "shard_shape": list(self.shard_shape),
+            "inner_chunk_shape": list(self.inner_chunk_shape),
+            "spec": self.spec.to_json(),
+            "kind": self.kind,
+            "compression": self.compression,
+        }
+
+    @classmethod
+    def from_dict(cls, name: str, d: Any) -> ArrayMeta:
+        if not isinstance(d, Mapping):
+            raise FormatError(f"array {name!r}: metadata must be an object, got {d!r}")
+        try:
+            meta = cls(
+                path=str(d["path"]),
+                shape=_ints(d["shape"], f"array {name!r}: shape"),
+                dtype=str(d["dtype"]),
+                shard_shape=_ints(d["shard_shape"], f"array {name!r}: shard_shape"),
+                inner_chunk_shape=_ints(d["inner_chunk_shape"], f"array {name!r}: inner_chunk_shape"),
+                spec=P.from_json(d["spec"]),
+                kind=str(d.get("kind", "torch")),
+                compression=d.get("compression"),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, FormatError):
+                raise
+            raise FormatError(f"array {name!r}: metadata is malformed ({err!r})") from None
+        if not len(meta.shape) == len(meta.shard_shape) == len(meta.inner_chunk_shape):
+            raise FormatError(f"array {name!r}: shape, shard_shape and inner_chunk_shape differ in rank")
+        if meta.kind not in KINDS or meta.compression not in COMPRESSIONS:
+            raise FormatError(f"array {name!r}: unknown kind {meta.kind!r} or compression {meta.compression!r}")
+        return meta
+
+    def zarr_metadata(self) -> dict[str, Any]:
+        """The array's Zarr v3 ``zarr.json``: a regular grid of shards, each a writer's box."""
+        fill: Any = False if self.dtype == "bool" else 0
+        inner_codecs = [
+            {"name": "bytes", "configuration": {"endian": "little"}},
+            *_compression_codec(self.compression, self.itemsize),
+            {"name": "crc32c"},
+        ]
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard_shape)}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": fill,
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.inner_chunk_shape),
+                        "codecs": inner_codecs,
+                        "index_codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "crc32c"},
+                        ],
+                        "index_location": "end",
+                    },
+                }
+            ],
+            "attributes": {ATTRS_KEY: {"spec": self.spec.to_json()}},
+        }
+
+
+@attrs.frozen
+class CheckpointMeta:
+    """Everything a reader needs, in one small document: opening a checkpoint is one read."""
+
+    arrays: Mapping[str, ArrayMeta]
+    tree: Any
+    mesh: Mesh
+    rules: tuple[tuple[str, P], ...]
+    step: int | None = None
+    user_metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    library_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "arrays": {name: a.to_dict() for name, a in self.arrays.items()},
+            "tree": self.tree,
+            "mesh": self.mesh.to_json(),
+            "rules": [[p, s.to_json()] for p, s in self.rules],
+            "step": self.step,
+            "user_metadata": dict(self.user_metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "checkpoint") -> CheckpointMeta:
+        if not isinstance(d, Mapping):
+            raise FormatError(f"{where}: the {ATTRS_KEY!r} metadata must be an object")
+        version = d.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise FormatError(f"{where}: unknown format version {version!r}; this is not a layoutckpt checkpoint")
+        if version > FORMAT_VERSION:
+            raise NewerFormatError(
+                f"{where}: written with layoutckpt format version {version} (by layoutckpt "
+                f"{d.get('library_version', '?')}), but this layoutckpt reads versions up to "
+                f"{FORMAT_VERSION}; upgrade layoutckpt to read it"
+            )
+        try:
+            arrays = {str(name): ArrayMeta.from_dict(name, a) for name, a in d["arrays"].items()}
+            step = d.get("step")
+            if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+                raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
+            return cls(
+                arrays=arrays,
+                tree=d["tree"],
+                mesh=Mesh.from_json(d["mesh"]),
+                rules=tuple((str(p), P.from_json(s)) for p, s in d["rules"]),
+                step=step,
+                user_metadata=dict(d.get("user_metadata") or {}),
+                library_version=str(d.get("library_version", "")),
+                format_version=version,
+            )
+        except FormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise FormatError(f"{where}: the {ATTRS_KEY!r} metadata is malformed ({err!r})") from None
+
+
+def root_document(meta: CheckpointMeta) -> bytes:
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: meta.to_dict()}}
+    return json.dumps(doc, indent=1, allow_nan=False).encode()
+
+
+def group_document() -> bytes:
+    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
+
+
+def parse_root_document(raw: bytes, where: str) -> CheckpointMeta:
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"{where}: zarr.json is not valid JSON ({err}); the checkpoint is corrupt") from None
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise FormatError(f"{where}: zarr.json is not a Zarr v3 group document")
+    attributes = doc.get("attributes")
+    if not isinstance(attributes, dict) or ATTRS_KEY not in attributes:
+        raise FormatError(f"{where}: a Zarr group without {ATTRS_KEY!r} metadata; not a layoutckpt checkpoint")
+    return CheckpointMeta.from_dict(attributes[ATTRS_KEY], where)

@@ -1,0 +1,136 @@
+"""``Layout``: ordered regex rules from global array names to partition specs on a mesh.
+
+A layout is declared in code or in a TOML file under ``specs/``. The first rule whose pattern
+``re.search``-es the global name decides that array's spec.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from ._errors import LayoutError
+from ._spec import Mesh, P
+
+Rule = tuple[str, P]
+
+
+def _parse_rules(rules: Iterable[tuple[str, P]]) -> tuple[Rule, ...]:
+    parsed: list[Rule] = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, tuple) and len(rule) == 2):
+            raise LayoutError(f"Layout rule #{i} must be a (pattern, P(...)) pair, got {rule!r}")
+        pattern, spec = rule
+        if not isinstance(pattern, str):
+            raise LayoutError(f"Layout rule #{i}: the pattern must be a string, got {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise LayoutError(f"Layout rule #{i}: pattern {pattern!r} is not a valid regex: {err}") from None
+        if not isinstance(spec, P):
+            raise LayoutError(f"Layout rule #{i} ({pattern!r}): the spec must be a P(...), got {spec!r}")
+        parsed.append((pattern, spec))
+    return tuple(parsed)
+
+
+@attrs.frozen(repr=False)
+class Layout:
+    """How every array of a state is split over ``mesh``: the first matching rule wins.
+
+    >>> layout = Layout(Mesh({"tp": 2}), [(r"\\.q_proj\\.weight$", P("tp", None)), (r".*", P())])
+    >>> layout.spec_for("model.layers.0.q_proj.weight")
+    P('tp', None)
+    """
+
+    mesh: Mesh
+    rules: tuple[Rule, ...] = attrs.field(converter=_parse_rules)
+    _compiled: tuple[re.Pattern[str], ...] = attrs.field(init=False, eq=False, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise LayoutError(f"Layout needs a Mesh, got {self.mesh!r}")
+        for pattern, spec in self.rules:
+            for axis in spec.axes:
+                if axis not in self.mesh.axis_names:
+                    raise LayoutError(
+                        f"Layout rule {pattern!r}: spec {spec!r} names axis {axis!r}, which "
+                        f"{self.mesh!r} does not have; use one of {list(self.mesh.axis_names)}"
+                    )
+        object.__setattr__(self, "_compiled", tuple(re.compile(p) for p, _ in self.rules))
+
+    @classmethod
+    def replicated(cls, mesh: Mesh | None = None) -> Layout:
+        """Every array whole on every rank (the layout of a single process)."""
+        return cls(mesh if mesh is not None else Mesh({}), [(r".*", P())])
+
+    def spec_for(self, name: str) -> P:
+        for regex, (_, spec) in zip(self._compiled, self.rules):
+            if regex.search(name):
+                return spec
+        raise LayoutError(
+            f"array {name!r}: no layout rule matches it (patterns: {[p for p, _ in self.rules]}); "
+            "add a rule for it, or a final catch-all rule such as (r'.*', P())"
+        )
+
+    def __repr__(self) -> str:
+        rules = ", ".join(f"({p!r}, {s!r})" for p, s in self.rules)
+        return f"Layout({self.mesh!r}, [{rules}])"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mesh": self.mesh.to_json(), "rules": [[p, s.to_json()] for p, s in self.rules]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Layout:
+        return cls(Mesh.from_json(data["mesh"]), [(p, P.from_json(s)) for p, s in data["rules"]])
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], mesh: Mesh | None = None) -> Layout:
+        """Read rules from a TOML file (see ``specs/``); ``mesh`` overrides the file's ``[mesh]``."""
+        with open(path, "rb") as f:
+            try:
+                doc = tomllib.load(f)
+            except tomllib.TOMLDecodeError as err:
+                raise LayoutError(f"Layout file {os.fspath(path)!r} is not valid TOML: {err}") from None
+        return cls.from_toml_dict(doc, mesh, source=os.fspath(path))
+
+    @classmethod
+    def from_toml_dict(cls, doc: Mapping[str, Any], mesh: Mesh | None = None, source: str = "<toml>") -> Layout:
+        if mesh is None:
+            if "mesh" not in doc:
+                raise LayoutError(f"{source}: has no [mesh] table; pass mesh= to Layout.from_file")
+            mesh = Mesh(dict(doc["mesh"]))
+        axes = doc.get("axes")
+        if axes is not None and set(axes) != set(mesh.axis_names):
+            raise LayoutError(
+                f"{source}: the rules are written for mesh axes {sorted(axes)} but {mesh!r} has "
+                f"{sorted(mesh.axis_names)}; pass a mesh with those axes (size 1 is fine)"
+            )
+        rules = doc.get("rules")
+        if not isinstance(rules, list) or not rules:
+            raise LayoutError(f"{source}: needs a non-empty [[rules]] array of {{match, spec}} tables")
+        parsed: list[tuple[str, P]] = []
+        for i, rule in enumerate(rules):
+            if not isinstance(rule, dict) or set(rule) - {"match", "spec", "note"} or "match" not in rule:
+                raise LayoutError(f"{source}: rule #{i} must be a table with keys 'match' and 'spec'")
+            parsed.append((rule["match"], parse_spec(rule.get("spec", "P()"), f"{source}: rule #{i}")))
+        return cls(mesh, parsed)
+
+
+def parse_spec(text: str, where: str = "spec") -> P:
+    """Parse ``"P('tp', None)"`` safely: only string, None and tuple literals are accepted."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        node = None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "P" and not node.keywords):
+        raise LayoutError(f"{where}: spec {text!r} must look like \"P('tp', None)\" or \"P(('dp', 'tp'))\"")
+    try:
+        return P(*(ast.literal_eval(arg) for arg in node.args))
+    except (ValueError, LayoutError) as err:
+        raise LayoutError(f"{where}: spec {text!r} is not valid: {err}") from None

@@ -1,0 +1,170 @@
+"""``load``: every rank reads exactly the boxes its layout gives it, from any saved layout.
+
+open metadata -> target boxes (pure, from the layout or a template) -> read all boxes with many
+TensorStore reads in flight (each touches only the inner chunks it overlaps) -> wrap as tensors
+without copying -> rebuild the tree.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from . import _plan, _store
+from ._dist import comm_for
+from ._errors import TemplateMismatchError
+from ._format import ArrayMeta, CheckpointMeta
+from ._layout import Layout
+from ._spec import check_spec
+from ._tree import decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
+
+Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
+
+
+def _selector(select: Select, stored: list[str]) -> set[str] | None:
+    if select is None:
+        return None
+    if isinstance(select, str | re.Pattern):
+        regex = re.compile(select)
+        return {n for n in stored if regex.search(n)}
+    if callable(select):
+        return {n for n in stored if select(n)}
+    wanted = set(select)
+    unknown = sorted(wanted - set(stored))
+    if unknown:
+        raise KeyError(f"select= names {unknown[:5]} that the checkpoint does not have")
+    return wanted
+
+
+def load(
+    path: str | os.PathLike[str],
+    layout: Layout | None = None,
+    *,
+    like: Any = None,
+    select: Select = None,
+    strict: bool = True,
+    group: Any = None,
+    concurrency: int = _store.DEFAULT_CONCURRENCY,
+) -> Any:
+    """Load this rank's shards of every (selected) array under ``layout``, in the saved tree.
+
+    ``layout`` defaults to every array whole in one process. With ``like=`` the result takes the
+    template's tree, and each template leaf must match the shape and dtype this rank would load;
+    with ``strict`` (default) stored arrays the template lacks are an error, not a silent drop.
+    """
+    import torch
+
+    from ._tensors import ZARR_TO_TORCH, from_numpy
+
+    meta = _store.read_meta(path)
+    root = _store.Path(path).absolute()
+    layout = layout if layout is not None else Layout.replicated()
+    comm = comm_for(layout.mesh, group)
+    stored_leaves = dict(leaf_nodes(meta.tree))
+
+    template: dict[str, Any] = {}
+    if like is not None:
+        structure, template = flatten(like)
+        missing = sorted(n for n in template if n not in stored_leaves)
+        if missing:
+            raise TemplateMismatchError(
+                f"the template asks for {missing[:5]}, which checkpoint {os.fspath(path)!r} does not "
+                "hold; remove them from the template or load them from another checkpoint"
+            )
+        extra = sorted(n for n in meta.arrays if n not in template)
+        if strict and extra and select is None:
+            raise TemplateMismatchError(
+                f"checkpoint {os.fspath(path)!r} holds arrays the template lacks, e.g. {extra[:5]}; "
+                "pass strict=False to ignore them"
+            )
+    else:
+        structure = meta.tree
+    keep = _selector(select, list(template) if like is not None else list(stored_leaves))
+    names = [n for n in (template if like is not None else stored_leaves) if keep is None or n in keep]
+
+    # Plan every read first (pure), so bad input raises before any byte is read.
+    boxes: dict[str, _plan.Box] = {}
+    for name in names:
+        if name not in meta.arrays:
+            continue
+        a = meta.arrays[name]
+        spec = layout.spec_for(name)
+        check_spec(spec, layout.mesh, len(a.shape), name, a.shape)
+        boxes[name] = _plan.shard_box(a.shape, spec, layout.mesh, comm.rank)
+        if name in template:
+            _check_template(name, template[name], a, _plan.box_shape(boxes[name]), spec)
+
+    ctx = _store.context(concurrency)
+    opened = {n: _store.open_array(ctx, root, meta.arrays[n]) for n in boxes}
+    reads = {}
+    for name, box in boxes.items():
+        store = opened[name].result()
+        if _plan.box_size(box) == 0:
+            continue
+        reads[name] = (store[tuple(slice(a, b) for a, b in box)] if box else store).read()
+
+    def leaf(name: str, node: Any) -> Any:
+        if name not in meta.arrays:
+            return decode_value(stored_leaves[name]) if name in stored_leaves else node
+        a = meta.arrays[name]
+        box = boxes[name]
+        if name in reads:
+            data = reads[name].result()
+        else:
+            data = np.zeros(_plan.box_shape(box), dtype=_np_dtype(a))
+        kind = a.kind
+        target = template.get(name)
+        if target is not None:
+            kind = "torch" if isinstance(target, torch.Tensor) else "numpy"
+        if kind == "numpy_scalar":
+            return data[()]
+        if kind == "numpy":
+            return data
+        t = from_numpy(data, a.dtype)
+        assert t.dtype == ZARR_TO_TORCH[a.dtype]
+        if isinstance(target, torch.Tensor) and target.device.type not in ("cpu", "meta"):
+            t = t.to(target.device)
+        return t
+
+    return unflatten(structure, leaf, keep)
+
+
+def _np_dtype(a: ArrayMeta) -> np.dtype:
+    from ._dtypes import numpy_dtype
+
+    return numpy_dtype(a.dtype)
+
+
+def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...], spec: Any) -> None:
+    if not is_array_leaf(target):
+        raise TemplateMismatchError(
+            f"array {name!r}: the template holds a {type(target).__name__} there, but the checkpoint "
+            "stores an array; put a tensor (a 'meta' tensor is fine) in the template"
+        )
+    import torch
+
+    from ._tensors import TORCH_TO_ZARR
+
+    dtype = TORCH_TO_ZARR.get(target.dtype) if isinstance(target, torch.Tensor) else None
+    if dtype is None:
+        from ._dtypes import NUMPY_TO_ZARR
+
+        dtype = NUMPY_TO_ZARR.get(np.dtype(target.dtype))
+    if tuple(target.shape) != local:
+        raise TemplateMismatchError(
+            f"array {name!r}: the template has shape {tuple(target.shape)} but this rank's shard of the "
+            f"stored global shape {a.shape} under {spec!r} is {local}; fix the template or the layout"
+        )
+    if dtype != a.dtype:
+        raise TemplateMismatchError(
+            f"array {name!r}: the template has dtype {target.dtype} but the checkpoint stores {a.dtype}; "
+            "use a template of the stored dtype and cast after loading"
+        )
+
+
+def load_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
+    return _store.read_meta(path)

@@ -1,0 +1,190 @@
+"""Pure planning: which box of which array each rank holds, writes and reads.
+
+Nothing here touches torch, files or the network; every function is a deterministic function of
+global shapes, specs, the mesh and a rank, so every rank computes the same global plan on its
+own with no gather or scatter of plans.
+
+A *box* is a tuple of half-open ``(start, stop)`` ranges, one per dimension. Splits follow
+``torch.chunk``: a dimension of size ``n`` split ``k`` ways gives pieces of ``ceil(n / k)``, the
+tail smaller or empty. That is also a regular chunk grid, so a box is exactly one stored shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from ._errors import InconsistentShardsError
+from ._spec import Mesh, P, SpecEntry, entry_axes
+
+Box = tuple[tuple[int, int], ...]
+
+
+def split_range(n: int, k: int, i: int) -> tuple[int, int]:
+    """The ``i``-th of ``k`` pieces of ``range(n)``, as ``torch.chunk`` cuts it."""
+    piece = -(-n // k)
+    start = min(i * piece, n)
+    return start, min(start + piece, n)
+
+
+def entry_split(entry: SpecEntry, mesh: Mesh, coords: dict[str, int]) -> tuple[int, int]:
+    """(number of pieces, this rank's piece index) for one spec entry; axes are major to minor."""
+    k, i = 1, 0
+    for axis in entry_axes(entry):
+        size = mesh.axis_size(axis)
+        k, i = k * size, i * size + coords[axis]
+    return k, i
+
+
+def split_counts(ndim: int, spec: P, mesh: Mesh) -> tuple[int, ...]:
+    return tuple(math.prod(mesh.axis_size(a) for a in entry_axes(e)) for e in spec.padded(ndim))
+
+
+def shard_box(shape: Sequence[int], spec: P, mesh: Mesh, rank: int) -> Box:
+    """The box of the global array that ``rank`` holds under ``spec``."""
+    coords = mesh.coords(rank)
+    return tuple(split_range(n, *entry_split(e, mesh, coords)) for n, e in zip(shape, spec.padded(len(shape))))
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def box_size(box: Box) -> int:
+    return math.prod(box_shape(box))
+
+
+def shard_shape(shape: Sequence[int], spec: P, mesh: Mesh) -> tuple[int, ...]:
+    """The regular chunk grid whose chunks are exactly the boxes (at least 1 along each dim)."""
+    return tuple(max(1, -(-n // k)) for n, k in zip(shape, split_counts(len(shape), spec, mesh)))
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def inner_chunk_shape(outer: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
+    """A sub-block of ``outer`` that divides it and holds at most about ``target_bytes``.
+
+    Leading dimensions are cut first, so an inner chunk stays a contiguous run of rows: a reader
+    of a row range touches the fewest chunks, and a column reader is no worse off than with any
+    other cut of the same size.
+    """
+    inner = list(outer)
+    for d in range(len(inner)):
+        rest = itemsize * math.prod(inner[d + 1 :])
+        if inner[d] * rest <= target_bytes:
+            break
+        fitting = [q for q in _divisors(inner[d]) if q * rest <= target_bytes]
+        inner[d] = fitting[-1] if fitting else 1
+        if rest <= target_bytes:
+            break
+    return tuple(inner)
+
+
+def replicas(spec: P, ndim: int, mesh: Mesh) -> int:
+    used = set(spec.axes)
+    return math.prod(size for name, size in mesh.axes if name not in used)
+
+
+def global_shape_from_sums(
+    name: str, spec: P, mesh: Mesh, sums: Sequence[int], mins: Sequence[int], maxs: Sequence[int]
+) -> tuple[int, ...]:
+    """Recover the global shape from the sums, minima and maxima of every rank's local shape.
+
+    Every piece of a split dimension is held by ``world / k`` ranks, so the global size is the
+    sum of local sizes divided by that; an unsplit dimension must be the same on every rank.
+    """
+    world = mesh.size
+    shape = []
+    for d, (k, total, lo, hi) in enumerate(zip(split_counts(len(sums), spec, mesh), sums, mins, maxs)):
+        if k == 1:
+            if lo != hi:
+                raise InconsistentShardsError(
+                    f"array {name!r}: dimension {d} is not split by spec {spec!r} but its local size "
+                    f"ranges from {lo} to {hi} across ranks; every rank must hold the whole dimension"
+                )
+            shape.append(hi)
+        else:
+            holders = world // k
+            if total % holders:
+                raise InconsistentShardsError(
+                    f"array {name!r}: the local sizes of dimension {d}, split {k} ways by {spec!r}, "
+                    f"sum to {total}, which the {holders} replicas of each piece cannot hold equally"
+                )
+            shape.append(total // holders)
+    return tuple(shape)
+
+
+@attrs.frozen
+class ArraySpec:
+    """What the planner needs to know of one array."""
+
+    name: str
+    shape: tuple[int, ...]
+    spec: P
+    itemsize: int
+
+
+def _piece_ids(a: ArraySpec, mesh: Mesh, coords: np.ndarray) -> np.ndarray:
+    """For every row of mesh coordinates, the index of the piece (distinct box) it holds."""
+    ids = np.zeros(len(coords), dtype=np.int64)
+    for entry in a.spec.padded(len(a.shape)):
+        for axis in entry_axes(entry):
+            ids = ids * mesh.axis_size(axis) + coords[:, mesh.axis_names.index(axis)]
+    return ids
+
+
+def _mesh_coords(mesh: Mesh) -> np.ndarray:
+    grid = np.indices([size for _, size in mesh.axes], dtype=np.int64)
+    return grid.reshape(len(mesh.axes), mesh.size).T
+
+
+def assign_writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[np.ndarray]:
+    """For every array, an int array mapping each rank to the rank that writes its piece.
+
+    Among the replicas of a piece exactly one rank writes it: pieces are taken largest first
+    (ties by array order, then piece index) and each goes to its least-loaded replica (ties to
+    the lowest rank). Empty pieces have no writer (-1).
+    """
+    coords = _mesh_coords(mesh)
+    pieces: list[tuple[int, int, int, np.ndarray]] = []
+    for index, a in enumerate(arrays):
+        ids = _piece_ids(a, mesh, coords)
+        order = np.argsort(ids, kind="stable")
+        bounds = np.flatnonzero(np.diff(ids[order])) + 1
+        for group in np.split(order, bounds):
+            size = box_size(shard_box(a.shape, a.spec, mesh, int(group[0]))) * a.itemsize
+            if size > 0:
+                pieces.append((-size, index, int(ids[group[0]]), group))
+    pieces.sort(key=lambda p: p[:3])
+    loads = np.zeros(mesh.size, dtype=np.int64)
+    writers = [np.full(mesh.size, -1, dtype=np.int64) for _ in arrays]
+    for neg_size, index, _, group in pieces:
+        rank = int(group[np.argmin(loads[group])])
+        loads[rank] -= neg_size
+        writers[index][group] = rank
+    return writers
+
+
+def writes_of(arrays: Sequence[ArraySpec], mesh: Mesh, rank: int) -> list[tuple[int, Box]]:
+    """(array index, box) of every piece that ``rank`` writes."""
+    return [
+        (index, shard_box(arrays[index].shape, arrays[index].spec, mesh, rank))
+        for index, writer in enumerate(assign_writers(arrays, mesh))
+        if writer[rank] == rank
+    ]
+
+
+def chunks_touched(box: Box, chunk: Sequence[int]) -> int:
+    """How many chunks of a regular grid of ``chunk`` the box overlaps."""
+    count = 1
+    for (start, stop), c in zip(box, chunk):
+        if stop <= start:
+            return 0
+        count *= (stop - 1) // c - start // c + 1
+    return count

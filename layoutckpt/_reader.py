@@ -1,0 +1,136 @@
+"""``open``: a lazy reader for one process, no ``torch.distributed`` needed.
+
+Opening reads one small document (the root metadata). ``read`` opens the array from that
+metadata alone and fetches only the inner chunks the requested slice overlaps.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+import numpy as np
+import tensorstore as ts
+
+from . import _store
+from ._dtypes import numpy_dtype
+from ._format import ArrayMeta, CheckpointMeta
+from ._spec import Mesh, P
+from ._tree import decode_value, leaf_nodes
+
+
+@attrs.frozen
+class ArrayInfo:
+    """How one array is stored: global shape and dtype, chunking, and the spec it was saved with."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    shard_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+    spec: P
+    saved_mesh: Mesh
+    kind: str
+    compression: str | None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class Reader:
+    """Read arrays (or slices) and values of a committed checkpoint.
+
+    >>> rd = open(path)                         # doctest: +SKIP
+    >>> rd.read("model.embed.weight", np.s_[0:8, :])  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, concurrency: int = _store.DEFAULT_CONCURRENCY) -> None:
+        self.path = os.fspath(path)
+        self._root = _store.Path(path).absolute()
+        self.meta: CheckpointMeta = _store.read_meta(path)
+        self._ctx = _store.context(concurrency)
+        self._stores: dict[str, ts.TensorStore] = {}
+        self._values = {name: node for name, node in leaf_nodes(self.meta.tree) if "array" not in node}
+
+    def __repr__(self) -> str:
+        return f"Reader({self.path!r}, step={self.step}, arrays={len(self.meta.arrays)})"
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stores.clear()
+
+    @property
+    def step(self) -> int | None:
+        return self.meta.step
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The user metadata saved with the checkpoint."""
+        return dict(self.meta.user_metadata)
+
+    def keys(self) -> list[str]:
+        """Global names of the stored arrays, in tree order."""
+        return list(self.meta.arrays)
+
+    def value_keys(self) -> list[str]:
+        """Global names of the non-array (JSON) leaves."""
+        return list(self._values)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.meta.arrays or name in self._values
+
+    def _array(self, name: str) -> ArrayMeta:
+        try:
+            return self.meta.arrays[name]
+        except KeyError:
+            close = [k for k in self.meta.arrays if name in k or k in name][:5]
+            hint = f"; similar names: {close}" if close else ""
+            raise KeyError(f"no array {name!r} in checkpoint {self.path!r}{hint}; rd.keys() lists them") from None
+
+    def info(self, name: str) -> ArrayInfo:
+        a = self._array(name)
+        return ArrayInfo(
+            name=name,
+            shape=a.shape,
+            dtype=numpy_dtype(a.dtype),
+            shard_shape=a.shard_shape,
+            inner_chunk_shape=a.inner_chunk_shape,
+            spec=a.spec,
+            saved_mesh=self.meta.mesh,
+            kind=a.kind,
+            compression=a.compression,
+        )
+
+    def tensorstore(self, name: str) -> ts.TensorStore:
+        """The array as a TensorStore, for reads this API does not cover."""
+        store = self._stores.get(name)
+        if store is None:
+            store = _store.open_array(self._ctx, self._root, self._array(name)).result()
+            self._stores[name] = store
+        return store
+
+    def read_async(self, name: str, index: Any = ()) -> ts.Future[np.ndarray]:
+        """A future of ``read(name, index)``."""
+        store = self.tensorstore(name)
+        return (store[index] if index != () else store).read()
+
+    def read(self, name: str, index: Any = ()) -> Any:
+        """The array ``name`` (or ``index`` of it, e.g. ``np.s_[0:8, :]``) as NumPy; a JSON leaf's value.
+
+        Only the inner chunks the index overlaps are read from storage.
+        """
+        if name in self._values:
+            return decode_value(self._values[name])
+        return self.read_async(name, index).result()
+
+
+def open(path: str | os.PathLike[str], **kwargs: Any) -> Reader:  # noqa: A001 - the verb of the API
+    """Open a committed checkpoint for lazy reading in a single process."""
+    return Reader(path, **kwargs)

@@ -1,0 +1,119 @@
+"""Storage: TensorStore specs and contexts, and the local-directory commit.
+
+Array data goes through TensorStore (many reads and writes in flight, byte-range reads of inner
+chunks). The small JSON documents and the commit rename are plain file operations with fsyncs,
+so a crash leaves either the old checkpoint or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+
+from ._errors import CheckpointNotFoundError
+from ._format import ArrayMeta, CheckpointMeta, parse_root_document
+
+TMP_MARK = ".tmp-"
+DEFAULT_CONCURRENCY = 32
+
+
+def context(concurrency: int = DEFAULT_CONCURRENCY) -> ts.Context:
+    """A TensorStore context with no chunk cache: every byte goes straight to or from storage,
+    so host memory stays near the bytes of the local shards."""
+    return ts.Context(
+        {
+            "cache_pool": {"total_bytes_limit": 0},
+            "file_io_concurrency": {"limit": concurrency},
+            "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
+        }
+    )
+
+
+def array_spec(root: Path, meta: ArrayMeta) -> dict[str, Any]:
+    """Open with ``assume_metadata``: the root document already says everything, so opening an
+    array costs no read of its own ``zarr.json``."""
+    metadata = {k: v for k, v in meta.zarr_metadata().items() if k not in ("zarr_format", "node_type", "attributes")}
+    spec: dict[str, Any] = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(root / meta.path) + "/"},
+        "metadata": metadata,
+    }
+    # Writers too: rank 0 writes each zarr.json as a plain file, so no rank races to create it.
+    spec.update(open=True, assume_metadata=True)
+    return spec
+
+
+def open_array(ctx: ts.Context, root: Path, meta: ArrayMeta) -> ts.Future[ts.TensorStore]:
+    return ts.open(array_spec(root, meta), context=ctx)
+
+
+def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
+    root = Path(path)
+    marker = root / "zarr.json"
+    try:
+        raw = marker.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        hint = ""
+        if root.is_dir():
+            hint = " (the directory exists but has no commit marker: the save never finished)"
+        raise CheckpointNotFoundError(
+            errno.ENOENT, f"no committed layoutckpt checkpoint at {os.fspath(path)!r}{hint}", os.fspath(path)
+        ) from None
+    return parse_root_document(raw, os.fspath(path))
+
+
+def is_committed(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / "zarr.json").is_file()
+
+
+def write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """TensorStore fsyncs the files it writes; the directories that name them need it too."""
+    for dirpath, _, _ in os.walk(root):
+        fsync_dir(Path(dirpath))
+
+
+def temp_dir_for(final: Path) -> Path:
+    return final.parent / f".{final.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+
+
+def commit_dir(tmp: Path, final: Path, *, overwrite: bool) -> None:
+    """Rename the finished temporary directory into place, then fsync the parent.
+
+    With ``overwrite`` the old checkpoint is first renamed aside, so at every instant ``final``
+    is either absent or a whole checkpoint, and the old one is deleted only after the new one is
+    in place.
+    """
+    aside = None
+    if final.exists() and overwrite:
+        aside = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

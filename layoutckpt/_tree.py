@@ -1,0 +1,174 @@
+"""Pytrees of nested dicts, lists and tuples: flatten to global names and rebuild.
+
+A leaf's global name joins the keys on its path with dots (``{"model": {"layers": [w]}}`` gives
+``model.layers.0``); the name maps to the storage path ``model/layers/0``. The tree's shape is
+stored as JSON, so rebuilding it never runs code.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ._errors import InvalidNameError
+
+JSONScalar = None | bool | int | float | str
+
+# Characters that would escape the name's directory, or that stores treat specially.
+_BAD_CHARS = re.compile(r"[/\\\x00-\x1f\x7f]")
+
+
+def is_array_leaf(x: object) -> bool:
+    if isinstance(x, np.ndarray | np.generic):
+        return True
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def name_to_path(name: str) -> str:
+    """``model.layers.0.weight`` -> ``model/layers/0/weight``, refusing names that are unsafe."""
+    parts = name.split(".")
+    for part in parts:
+        problem = None
+        if part == "":
+            problem = "an empty part (two dots in a row, or a leading or trailing dot)"
+        elif _BAD_CHARS.search(part):
+            problem = f"part {part!r} with a slash, backslash or control character"
+        elif part.startswith("__"):
+            problem = f"part {part!r}, and names starting with '__' are reserved by Zarr"
+        if problem:
+            raise InvalidNameError(
+                f"array name {name!r} has {problem}; rename the key in the state so that every "
+                "dot-separated part is a plain, non-empty name"
+            )
+    return "/".join(parts)
+
+
+def _key_str(key: object, where: str) -> str:
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        raise InvalidNameError(f"key {key!r} under {where or 'the root'!r} must be a str or an int")
+    return str(key)
+
+
+def _encode_value(x: object, name: str) -> Any:
+    if x is None or isinstance(x, bool | int | str):
+        return {"value": x}
+    if isinstance(x, float):
+        if math.isfinite(x):
+            return {"value": x}
+        return {"float": repr(x)}
+    raise TypeError(
+        f"leaf {name!r} has type {type(x).__name__}, which layoutckpt cannot store: leaves must be "
+        "tensors, NumPy arrays, or None/bool/int/float/str (stored as JSON; never pickle). Convert "
+        "it to one of those, e.g. a dict of plain values"
+    )
+
+
+def decode_value(node: Mapping[str, Any]) -> JSONScalar:
+    if "float" in node:
+        return float(node["float"])
+    return node["value"]
+
+
+def flatten(state: object) -> tuple[Any, dict[str, Any]]:
+    """(JSON structure, {global name: leaf}) for a nested dict/list/tuple of leaves."""
+    if not isinstance(state, Mapping | list | tuple):
+        raise TypeError(f"the state must be a dict, list or tuple of leaves, got {type(state).__name__}")
+    leaves: dict[str, Any] = {}
+
+    def walk(x: object, name: str) -> Any:
+        if isinstance(x, Mapping):
+            return {"dict": [[k, walk(v, _join(name, _key_str(k, name)))] for k, v in x.items()]}
+        if isinstance(x, list | tuple):
+            kind = "list" if isinstance(x, list) else "tuple"
+            return {kind: [walk(v, _join(name, str(i))) for i, v in enumerate(x)]}
+        if name in leaves:
+            raise InvalidNameError(
+                f"two leaves share the global name {name!r} (a key containing dots collides with a "
+                "nested key); rename one of them"
+            )
+        name_to_path(name)
+        leaves[name] = x
+        if is_array_leaf(x):
+            return {"array": name}
+        return _encode_value(x, name)
+
+    structure = walk(state, "")
+    check_no_prefix_clash([n for n, v in leaves.items() if is_array_leaf(v)])
+    return structure, leaves
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def check_no_prefix_clash(names: list[str]) -> None:
+    """An array cannot also be a group: ``a`` and ``a.b`` cannot both be arrays."""
+    paths = sorted(name_to_path(n) for n in names)
+    for a, b in zip(paths, paths[1:]):
+        if b.startswith(a + "/"):
+            raise InvalidNameError(
+                f"array {a.replace('/', '.')!r} is also the parent of array {b.replace('/', '.')!r}; "
+                "a stored array cannot contain others, rename one of them"
+            )
+
+
+def unflatten(structure: Any, leaf: Callable[[str, Mapping[str, Any]], Any], keep: set[str] | None = None) -> Any:
+    """Rebuild the tree; ``leaf(name, node)`` gives each kept leaf's value.
+
+    With ``keep``, only those leaves are rebuilt: the others are dropped from dicts (and dicts
+    left empty by that are dropped too) and become ``None`` in lists and tuples, so the indices
+    of the leaves kept stay meaningful.
+    """
+    dropped = object()
+
+    def walk(node: Mapping[str, Any], name: str) -> Any:
+        if "dict" in node:
+            out = {}
+            for key, child in node["dict"]:
+                value = walk(child, _join(name, str(key)))
+                if value is not dropped:
+                    out[key] = value
+            return dropped if keep is not None and node["dict"] and not out else out
+        for kind, build in (("list", list), ("tuple", tuple)):
+            if kind in node:
+                items = [walk(c, _join(name, str(i))) for i, c in enumerate(node[kind])]
+                if keep is not None and items and all(v is dropped for v in items):
+                    return dropped
+                return build(None if v is dropped else v for v in items)
+        if keep is not None and name not in keep:
+            return dropped
+        return leaf(name, node)
+
+    result = walk(structure, "")
+    return type_of_root(structure)() if result is dropped else result
+
+
+def type_of_root(structure: Mapping[str, Any]) -> type:
+    return dict if "dict" in structure else list if "list" in structure else tuple
+
+
+def leaf_nodes(structure: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(global name, node) of every leaf, in tree order."""
+
+    def walk(node: Mapping[str, Any], name: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+        if "dict" in node:
+            for key, child in node["dict"]:
+                yield from walk(child, _join(name, str(key)))
+        elif "list" in node or "tuple" in node:
+            for i, child in enumerate(node.get("list", node.get("tuple", []))):
+                yield from walk(child, _join(name, str(i)))
+        else:
+            yield name, node
+
+    yield from walk(structure, "")
