@@ -128,7 +128,9 @@ def parse_spec(text: str, where: str = "spec") -> P:
         node = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
         node = None
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "P" and not node.keywords):
+    if not (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "P" and not node.keywords
+    ):
         raise LayoutError(f"{where}: spec {text!r} must look like \"P('tp', None)\" or \"P(('dp', 'tp'))\"")
     try:
         return P(*(ast.literal_eval(arg) for arg in node.args))

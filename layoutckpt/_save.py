@@ -263,7 +263,11 @@ def _describe_disagreement(comm: Comm, signature: list[Any], structure: Any) -> 
         parts.append(f"arrays only on rank {r}: {onlyr}")
     for n in changed:
         parts.append(f"array {n!r} is (dtype, ndim, spec) {first[n]} on rank 0 but {other[n]} on rank {r}")
-    return "ranks disagree about the state to save: " + "; ".join(parts) + "; every rank must pass the same names, dtypes and ranks"
+    return (
+        "ranks disagree about the state to save: "
+        + "; ".join(parts)
+        + "; every rank must pass the same names, dtypes and ranks"
+    )
 
 
 def eval_signature(raw: bytes) -> list[tuple[str, str, int, str]]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import Union
 
 import attrs
 
 from ._errors import LayoutError
 
 # One entry of a spec: None (not split), an axis name, or axes major-to-minor.
-SpecEntry = Union[None, str, tuple[str, ...]]
+SpecEntry = None | str | tuple[str, ...]
 
 
 def _axes_from_mapping(axes: Mapping[str, int] | tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
@@ -187,7 +186,6 @@ def check_spec(spec: P, mesh: Mesh, ndim: int, name: str, shape: tuple[int, ...]
             )
         if axis in seen:
             raise LayoutError(
-                f"{where}: spec {spec!r} uses axis {axis!r} twice; a mesh axis can split "
-                "at most one dimension"
+                f"{where}: spec {spec!r} uses axis {axis!r} twice; a mesh axis can split at most one dimension"
             )
         seen.add(axis)

@@ -7,6 +7,7 @@ stored as JSON, so rebuilding it never runs code.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -115,7 +116,7 @@ def _join(prefix: str, key: str) -> str:
 def check_no_prefix_clash(names: list[str]) -> None:
     """An array cannot also be a group: ``a`` and ``a.b`` cannot both be arrays."""
     paths = sorted(name_to_path(n) for n in names)
-    for a, b in zip(paths, paths[1:]):
+    for a, b in itertools.pairwise(paths):
         if b.startswith(a + "/"):
             raise InvalidNameError(
                 f"array {a.replace('/', '.')!r} is also the parent of array {b.replace('/', '.')!r}; "

@@ -11,7 +11,13 @@ def _save_tp(rank, group, path):
     full_w = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
     full_e = torch.arange(7, dtype=torch.int64)
     c = mesh.coords(rank)
-    state = {"m": {"w": full_w.chunk(2)[c["tp"]], "e": list(full_e.chunk(4)) [rank] if rank < len(full_e.chunk(4)) else full_e[:0], "b": torch.ones(3)}}
+    state = {
+        "m": {
+            "w": full_w.chunk(2)[c["tp"]],
+            "e": list(full_e.chunk(4))[rank] if rank < len(full_e.chunk(4)) else full_e[:0],
+            "b": torch.ones(3),
+        }
+    }
     return lc.save(path, state, layout, group=group).bytes_written
 
 
