@@ -76,23 +76,21 @@ class Comm:
             self.all_reduce([0], "max")
 
 
-def comm_for(mesh: Mesh, group: Any = None, rank: int | None = None) -> Comm:
+def comm_for(group: Any = None) -> Comm:
     """This process's place: the default process group (or ``group``), else a world of one."""
     if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size(group)
-        me = dist.get_rank(group)
-    else:
-        if group is not None:
-            raise WorldSizeError("a process group was passed but torch.distributed is not initialized")
-        world, me = 1, 0
-    if rank is not None and rank != me:
-        raise WorldSizeError(f"rank={rank} was passed but this process is rank {me} of its process group")
-    if mesh.size != world:
+        return Comm(dist.get_rank(group), dist.get_world_size(group), group)
+    if group is not None:
+        raise WorldSizeError("a process group was passed but torch.distributed is not initialized")
+    return Comm(0, 1, None)
+
+
+def check_mesh(mesh: Mesh, comm: Comm) -> None:
+    if mesh.size != comm.world:
         raise WorldSizeError(
-            f"{mesh!r} has {mesh.size} devices but the process group has {world} ranks; "
-            f"declare a mesh whose axis sizes multiply to {world}"
+            f"{mesh!r} has {mesh.size} devices but the process group has {comm.world} ranks; "
+            f"declare a mesh whose axis sizes multiply to {comm.world}"
         )
-    return Comm(me, world, group)
 
 
 def digest(items: object) -> list[int]:

@@ -95,14 +95,31 @@ class ArrayMeta:
                 kind=str(d.get("kind", "torch")),
                 compression=d.get("compression"),
             )
-        except (KeyError, TypeError, ValueError) as err:
-            if isinstance(err, FormatError):
-                raise
+        except FormatError:
+            raise
+        except KeyError as err:
+            raise FormatError(f"array {name!r}: metadata lacks the key {err.args[0]!r}") from None
+        except (TypeError, ValueError) as err:
             raise FormatError(f"array {name!r}: metadata is malformed ({err!r})") from None
         if not len(meta.shape) == len(meta.shard_shape) == len(meta.inner_chunk_shape):
             raise FormatError(f"array {name!r}: shape, shard_shape and inner_chunk_shape differ in rank")
         if meta.kind not in KINDS or meta.compression not in COMPRESSIONS:
             raise FormatError(f"array {name!r}: unknown kind {meta.kind!r} or compression {meta.compression!r}")
+        from ._dtypes import ZARR_TO_NUMPY
+
+        if meta.dtype not in ZARR_TO_NUMPY:
+            raise FormatError(f"array {name!r}: unknown data type {meta.dtype!r}; known: {sorted(ZARR_TO_NUMPY)}")
+        # The path is derived from the name, never trusted: an absolute path in a crafted root
+        # document would otherwise make readers open files outside the checkpoint.
+        from ._errors import InvalidNameError
+        from ._tree import name_to_path
+
+        try:
+            expected_path = name_to_path(str(name))
+        except InvalidNameError as err:
+            raise FormatError(f"array {name!r}: the stored name is invalid ({err})") from None
+        if meta.path != expected_path:
+            raise FormatError(f"array {name!r}: stored path {meta.path!r} is not {expected_path!r}, its name's path")
         return meta
 
     def zarr_metadata(self) -> dict[str, Any]:
@@ -170,7 +187,10 @@ class CheckpointMeta:
             raise FormatError(f"{where}: the {ATTRS_KEY!r} metadata must be an object")
         version = d.get("format_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise FormatError(f"{where}: unknown format version {version!r}; this is not a layoutckpt checkpoint")
+            raise FormatError(
+                f"{where}: unknown format version {version!r} (expected an integer from 1 to {FORMAT_VERSION}); "
+                "the metadata is corrupt or this is not a layoutckpt checkpoint"
+            )
         if version > FORMAT_VERSION:
             raise NewerFormatError(
                 f"{where}: written with layoutckpt format version {version} (by layoutckpt "
@@ -178,7 +198,10 @@ class CheckpointMeta:
                 f"{FORMAT_VERSION}; upgrade layoutckpt to read it"
             )
         try:
-            arrays = {str(name): ArrayMeta.from_dict(name, a) for name, a in d["arrays"].items()}
+            try:
+                arrays = {str(name): ArrayMeta.from_dict(name, a) for name, a in d["arrays"].items()}
+            except FormatError as err:
+                raise FormatError(f"{where}: {err}; the checkpoint's metadata is corrupt") from None
             step = d.get("step")
             if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
                 raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
@@ -194,8 +217,14 @@ class CheckpointMeta:
             )
         except FormatError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise FormatError(f"{where}: the {ATTRS_KEY!r} metadata is malformed ({err!r})") from None
+        except KeyError as err:
+            raise FormatError(
+                f"{where}: the {ATTRS_KEY!r} metadata lacks the key {err.args[0]!r}; the checkpoint is corrupt"
+            ) from None
+        except (TypeError, ValueError, AttributeError) as err:
+            raise FormatError(
+                f"{where}: the {ATTRS_KEY!r} metadata is malformed ({err!r}); the checkpoint is corrupt"
+            ) from None
 
 
 def root_document(meta: CheckpointMeta) -> bytes:

@@ -104,8 +104,15 @@ class Layout:
         if mesh is None:
             if "mesh" not in doc:
                 raise LayoutError(f"{source}: has no [mesh] table; pass mesh= to Layout.from_file")
-            mesh = Mesh(dict(doc["mesh"]))
+            if not isinstance(doc["mesh"], dict):
+                raise LayoutError(f"{source}: [mesh] must be a table of axis = size, such as tp = 4")
+            try:
+                mesh = Mesh(dict(doc["mesh"]))
+            except LayoutError as err:
+                raise LayoutError(f"{source}: [mesh]: {err}") from None
         axes = doc.get("axes")
+        if axes is not None and not (isinstance(axes, list) and all(isinstance(a, str) for a in axes)):
+            raise LayoutError(f"{source}: axes must be a list of mesh axis names, such as ['dp', 'tp']; got {axes!r}")
         if axes is not None and set(axes) != set(mesh.axis_names):
             raise LayoutError(
                 f"{source}: the rules are written for mesh axes {sorted(axes)} but {mesh!r} has "
@@ -119,13 +126,16 @@ class Layout:
             if not isinstance(rule, dict) or set(rule) - {"match", "spec", "note"} or "match" not in rule:
                 raise LayoutError(f"{source}: rule #{i} must be a table with keys 'match' and 'spec'")
             parsed.append((rule["match"], parse_spec(rule.get("spec", "P()"), f"{source}: rule #{i}")))
-        return cls(mesh, parsed)
+        try:
+            return cls(mesh, parsed)
+        except LayoutError as err:
+            raise LayoutError(f"{source}: {err}") from None
 
 
 def parse_spec(text: str, where: str = "spec") -> P:
     """Parse ``"P('tp', None)"`` safely: only string, None and tuple literals are accepted."""
     try:
-        node = ast.parse(text.strip(), mode="eval").body
+        node = ast.parse(text.strip(), mode="eval").body if isinstance(text, str) else None
     except SyntaxError:
         node = None
     if not (

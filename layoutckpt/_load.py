@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _plan, _store
-from ._dist import comm_for
+from ._dist import check_mesh, comm_for
 from ._errors import TemplateMismatchError
 from ._format import ArrayMeta, CheckpointMeta
 from ._layout import Layout
@@ -63,7 +63,8 @@ def load(
     meta = _store.read_meta(path)
     root = _store.Path(path).absolute()
     layout = layout if layout is not None else Layout.replicated()
-    comm = comm_for(layout.mesh, group)
+    comm = comm_for(group)
+    check_mesh(layout.mesh, comm)
     stored_leaves = dict(leaf_nodes(meta.tree))
 
     template: dict[str, Any] = {}
@@ -149,8 +150,9 @@ def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...]
 
     from ._tensors import TORCH_TO_ZARR
 
-    dtype = TORCH_TO_ZARR.get(target.dtype) if isinstance(target, torch.Tensor) else None
-    if dtype is None:
+    if isinstance(target, torch.Tensor):
+        dtype = TORCH_TO_ZARR.get(target.dtype)
+    else:
         from ._dtypes import NUMPY_TO_ZARR
 
         dtype = NUMPY_TO_ZARR.get(np.dtype(target.dtype))

@@ -116,12 +116,12 @@ class Reader:
             self._stores[name] = store
         return store
 
-    def read_async(self, name: str, index: Any = ()) -> ts.Future[np.ndarray]:
+    def read_async(self, name: str, index: Any = None) -> ts.Future[np.ndarray]:
         """A future of ``read(name, index)``."""
         store = self.tensorstore(name)
-        return (store[index] if index != () else store).read()
+        return (store if index is None else store[index]).read()
 
-    def read(self, name: str, index: Any = ()) -> Any:
+    def read(self, name: str, index: Any = None) -> Any:
         """The array ``name`` (or ``index`` of it, e.g. ``np.s_[0:8, :]``) as NumPy; a JSON leaf's value.
 
         Only the inner chunks the index overlaps are read from storage.

@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from . import _plan, _store
-from ._dist import Comm, comm_for, digest
+from ._dist import Comm, check_mesh, comm_for, digest
 from ._dtypes import zarr_name
 from ._errors import CheckpointExistsError, InconsistentShardsError, SaveError
 from ._format import ArrayMeta, CheckpointMeta, group_document, root_document
@@ -100,7 +100,7 @@ def save(
     """
     t0 = time.perf_counter()
     mesh = layout.mesh
-    comm = comm_for(mesh, group)
+    comm = comm_for(group)
     final = Path(path).absolute()
 
     # 1. Local checks. An error is held until every rank has reported, so no rank hangs.
@@ -109,6 +109,7 @@ def save(
     arrays: list[_Local] = []
     specs = []
     try:
+        check_mesh(mesh, comm)
         structure, leaves = flatten(state)
         arrays = _local_arrays(leaves)
         for a in arrays:
@@ -120,14 +121,18 @@ def save(
                 f"a committed checkpoint already exists at {os.fspath(path)!r}; pass overwrite=True "
                 "to replace it, or save to a new path"
             )
-        if final.exists() and not overwrite:
+        if final.exists() and not _store.is_committed(final):
+            # Never replace what is not ours, even with overwrite=True: a checkpoint is only ever
+            # renamed into place whole, so anything else at the path belongs to someone else.
             raise CheckpointExistsError(
-                f"{os.fspath(path)!r} exists and is not a committed checkpoint; remove it, pass "
-                "overwrite=True, or save to a new path"
+                f"{os.fspath(path)!r} exists and is not a committed layoutckpt checkpoint; remove it "
+                "yourself or save to a new path (overwrite=True only replaces checkpoints)"
             )
     except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
         error = err
-    signature = [(a.name, a.dtype, a.data.ndim, repr(s)) for a, s in zip(arrays, specs)]
+    # The mesh is part of each spec: ranks that order or size the mesh axes differently would
+    # place their shards at different boxes.
+    signature = [(a.name, a.dtype, a.data.ndim, f"{s!r} on {mesh!r}") for a, s in zip(arrays, specs)]
     hi, lo = _agree(comm, error, [*digest((signature, structure)), sum(a.data.ndim for a in arrays)])
     if hi != lo:
         raise InconsistentShardsError(_describe_disagreement(comm, signature, structure))
@@ -210,7 +215,8 @@ def _write_skeleton(tmp: Path, meta: CheckpointMeta) -> None:
     """The Zarr metadata of every group and array, so plain ``zarr`` can walk the hierarchy."""
     import json
 
-    tmp.mkdir(parents=True)
+    # Other ranks' TensorStore writes may already have created it.
+    tmp.mkdir(parents=True, exist_ok=True)
     groups: set[str] = set()
     for a in meta.arrays.values():
         parts = a.path.split("/")
@@ -266,7 +272,7 @@ def _describe_disagreement(comm: Comm, signature: list[Any], structure: Any) -> 
     return (
         "ranks disagree about the state to save: "
         + "; ".join(parts)
-        + "; every rank must pass the same names, dtypes and ranks"
+        + "; every rank must pass the same names, dtypes and ranks, and the same layout"
     )
 
 

@@ -145,6 +145,10 @@ class P:
     def __hash__(self) -> int:
         return hash(("P", self._entries))
 
+    def __reduce__(self) -> tuple[type[P], tuple[SpecEntry, ...]]:
+        # Pickle through the constructor: the default slot-state restore hits __setattr__.
+        return (P, self._entries)
+
     def __repr__(self) -> str:
         return f"P({', '.join(repr(e) for e in self._entries)})"
 

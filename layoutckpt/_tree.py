@@ -57,7 +57,10 @@ def name_to_path(name: str) -> str:
 
 def _key_str(key: object, where: str) -> str:
     if isinstance(key, bool) or not isinstance(key, str | int):
-        raise InvalidNameError(f"key {key!r} under {where or 'the root'!r} must be a str or an int")
+        raise InvalidNameError(
+            f"key {key!r} under {where or 'the root'!r} is a {type(key).__name__}, but keys must be a str or "
+            "an int; rename the key to a str"
+        )
     return str(key)
 
 

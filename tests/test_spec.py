@@ -1,0 +1,78 @@
+"""Mesh, P and Layout: small immutable values that hash, compare and print as code."""
+
+from __future__ import annotations
+
+import pytest
+
+import layoutckpt as lc
+from layoutckpt._layout import parse_spec
+
+
+def test_mesh_coords_are_row_major_and_invert():
+    mesh = lc.Mesh({"dp": 2, "tp": 4})
+    assert mesh.size == 8
+    assert [tuple(mesh.coords(r).values()) for r in range(8)] == [(d, t) for d in range(2) for t in range(4)]
+    assert all(mesh.rank_of(mesh.coords(r)) == r for r in range(8))
+    with pytest.raises(lc.LayoutError, match="outside"):
+        mesh.coords(8)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [lc.Mesh({"dp": 2, "tp": 4}), lc.Mesh({}), lc.P("tp", None), lc.P(("dp", "tp"), None), lc.P()],
+)
+def test_repr_round_trips_and_hashes(value):
+    rebuilt = eval(repr(value), {"Mesh": lc.Mesh, "P": lc.P})
+    assert rebuilt == value
+    assert hash(rebuilt) == hash(value)
+
+
+def test_layout_repr_round_trips():
+    layout = lc.Layout(lc.Mesh({"tp": 2}), [(r"\.w$", lc.P("tp")), (r".*", lc.P())])
+    rebuilt = eval(repr(layout), {"Layout": lc.Layout, "Mesh": lc.Mesh, "P": lc.P})
+    assert rebuilt == layout
+    assert hash(rebuilt) == hash(layout)
+    assert lc.Layout.from_json(layout.to_json()) == layout
+
+
+def test_values_are_immutable():
+    spec = lc.P("tp")
+    with pytest.raises(AttributeError):
+        spec.x = 1  # type: ignore[attr-defined]
+    mesh = lc.Mesh({"tp": 2})
+    with pytest.raises(AttributeError):
+        mesh.axes = ()  # type: ignore[misc]
+
+
+def test_spec_normalizes_single_axis_tuples():
+    assert lc.P(("tp",)) == lc.P("tp")
+    assert lc.P(()) == lc.P(None)
+    assert lc.P(("dp", "tp")).axes == ("dp", "tp")
+
+
+def test_first_matching_rule_wins():
+    layout = lc.Layout(
+        lc.Mesh({"tp": 2}),
+        [(r"q_proj\.weight$", lc.P("tp", None)), (r"proj\.weight$", lc.P(None, "tp")), (r".*", lc.P())],
+    )
+    assert layout.spec_for("layers.0.q_proj.weight") == lc.P("tp", None)
+    assert layout.spec_for("layers.0.o_proj.weight") == lc.P(None, "tp")
+    assert layout.spec_for("norm.weight") == lc.P()
+
+
+def test_parse_spec_is_literal_only():
+    assert parse_spec("P('tp', None)") == lc.P("tp", None)
+    assert parse_spec("P(('dp', 'tp'))") == lc.P(("dp", "tp"))
+    for bad in ["__import__('os')", "P(open('x'))", "Q('tp')", "P(tp)", "P('tp',"]:
+        with pytest.raises(lc.LayoutError, match="spec"):
+            parse_spec(bad)
+
+
+def test_layout_from_file_with_its_own_mesh(tmp_path):
+    path = tmp_path / "l.toml"
+    path.write_text("[mesh]\ntp = 2\n\n[[rules]]\nmatch = 'w$'\nspec = \"P('tp')\"\n\n[[rules]]\nmatch = '.*'\n")
+    layout = lc.Layout.from_file(path)
+    assert layout.mesh == lc.Mesh({"tp": 2})
+    assert layout.spec_for("a.w") == lc.P("tp")
+    assert layout.spec_for("a.b") == lc.P()
+    assert lc.Layout.from_file(path, lc.Mesh({"tp": 4})).mesh.size == 4
