@@ -205,6 +205,7 @@ class CheckpointMeta:
             step = d.get("step")
             if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
                 raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
+            _check_tree_matches(d["tree"], arrays, where)
             return cls(
                 arrays=arrays,
                 tree=d["tree"],
@@ -225,6 +226,23 @@ class CheckpointMeta:
             raise FormatError(
                 f"{where}: the {ATTRS_KEY!r} metadata is malformed ({err!r}); the checkpoint is corrupt"
             ) from None
+
+
+def _check_tree_matches(tree: Any, arrays: Mapping[str, ArrayMeta], where: str) -> None:
+    """Every array node of the tree has an entry in ``arrays``, and every entry a node."""
+    from ._tree import leaf_nodes
+
+    try:
+        named = [node["array"] for _, node in leaf_nodes(tree) if "array" in node]
+    except (TypeError, KeyError, ValueError, AttributeError) as err:
+        raise FormatError(f"{where}: the tree structure is malformed ({err!r}); the checkpoint is corrupt") from None
+    missing = sorted(set(named) - set(arrays))
+    unreferenced = sorted(set(arrays) - set(named))
+    if missing or unreferenced:
+        raise FormatError(
+            f"{where}: the tree and the arrays table disagree (tree-only: {missing[:5]}, "
+            f"table-only: {unreferenced[:5]}); the checkpoint is corrupt"
+        )
 
 
 def root_document(meta: CheckpointMeta) -> bytes:

@@ -116,6 +116,7 @@ def save(
             spec = layout.spec_for(a.name)
             check_spec(spec, mesh, a.data.ndim, a.name, a.data.shape)
             specs.append(spec)
+        _check_user_metadata(metadata)
         if _store.is_committed(final) and not overwrite:
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {os.fspath(path)!r}; pass overwrite=True "
@@ -209,6 +210,26 @@ def save(
         failure = f"{type(err).__name__}: {err}".encode()
     _commit(comm, tmp, final, meta, failure, overwrite)
     return SaveResult(os.fspath(final), written, count, time.perf_counter() - t0)
+
+
+def _check_user_metadata(metadata: Mapping[str, Any] | None) -> None:
+    """User metadata is stored as strict JSON in the commit marker: check it before writing."""
+    import json
+
+    if metadata is None:
+        return
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata= must be a dict of JSON values, got {type(metadata).__name__}")
+    for key, value in metadata.items():
+        try:
+            json.dumps({key: value}, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"metadata[{key!r}] cannot be stored as JSON ({err}); use str/int/float/bool/None, "
+                "lists and dicts of them, with finite floats"
+            ) from None
+        if not isinstance(key, str):
+            raise TypeError(f"metadata key {key!r} must be a str")
 
 
 def _write_skeleton(tmp: Path, meta: CheckpointMeta) -> None:

@@ -81,9 +81,9 @@ class Mesh:
 
     @classmethod
     def from_json(cls, data: object) -> Mesh:
-        if not isinstance(data, list):
+        if not isinstance(data, list) or not all(isinstance(item, list) and len(item) == 2 for item in data):
             raise LayoutError(f"A mesh is stored as [[axis, size], ...], got {data!r}")
-        return cls(tuple((item[0], item[1]) for item in data if isinstance(item, list) and len(item) == 2))
+        return cls(tuple((item[0], item[1]) for item in data))
 
     def __repr__(self) -> str:
         return f"Mesh({self.shape!r})"

@@ -462,6 +462,11 @@ CORRUPTIONS = {
     ),
     "bad step": (lambda p: _edit_root(p, lambda d: _attrs(d).update(step="7")), ["step"]),
     "bad mesh": (lambda p: _edit_root(p, lambda d: _attrs(d).update(mesh={"tp": 2})), ["mesh"]),
+    "malformed mesh entry": (lambda p: _edit_root(p, lambda d: _attrs(d).update(mesh=[["tp", 2], "x"])), ["mesh"]),
+    "tree names a missing array": (
+        lambda p: _edit_root(p, lambda d: _attrs(d)["arrays"].pop("model.w")),
+        ["tree and the arrays table disagree", "'model.w'", "corrupt"],
+    ),
 }
 
 
@@ -639,3 +644,12 @@ def test_inconsistent_ranks(ranks, root4, case):
                 assert_mentions(tb, "InconsistentShardsError", "refused on other ranks", *(f"rank {r}: " for r in own))
     assert snapshot(root4) == before
     assert_good4(ranks, root4)
+
+
+def test_bad_user_metadata_is_refused_before_writing(tmp_path: Path):
+    before = snapshot(tmp_path)
+    for bad in ({"lr": float("nan")}, {"obj": object()}, {1: "x"}):
+        with pytest.raises(TypeError, match="metadata") as info:
+            lc.save(tmp_path / "ck", {"w": torch.zeros(2)}, lc.Layout.replicated(), metadata=bad)
+        assert "JSON" in str(info.value) or "must be a str" in str(info.value)
+        assert snapshot(tmp_path) == before
