@@ -125,6 +125,9 @@ def load(
             return data[()]
         if kind == "numpy":
             return data
+        if data.size == 0:
+            # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
+            return torch.zeros(data.shape, dtype=ZARR_TO_TORCH[a.dtype])
         t = from_numpy(data, a.dtype)
         assert t.dtype == ZARR_TO_TORCH[a.dtype]
         if isinstance(target, torch.Tensor) and target.device.type not in ("cpu", "meta"):

@@ -62,27 +62,27 @@ def shard_shape(shape: Sequence[int], spec: P, mesh: Mesh) -> tuple[int, ...]:
     return tuple(max(1, -(-n // k)) for n, k in zip(shape, split_counts(len(shape), spec, mesh)))
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+def _smallest_factor(n: int) -> int:
+    return next((f for f in range(2, math.isqrt(n) + 1) if n % f == 0), n)
 
 
 def inner_chunk_shape(outer: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
-    """A sub-block of ``outer`` that divides it and holds at most about ``target_bytes``.
+    """A block of ``outer`` that divides it and holds at most about ``target_bytes``.
 
-    Leading dimensions are cut first, so an inner chunk stays a contiguous run of rows: a reader
-    of a row range touches the fewest chunks, and a column reader is no worse off than with any
-    other cut of the same size.
+    The block is kept as close to a cube as the divisors allow: the longest side is cut first,
+    by its smallest prime factor. Another layout may read rows or columns of this shard; with
+    balanced blocks either kind of request, aligned to blocks, reads no byte it does not need,
+    where row-strip chunks would make every column reader fetch the whole shard. Sides with
+    only large prime factors are cut last, so a prime side does not collapse to 1 needlessly.
     """
     inner = list(outer)
-    for d in range(len(inner)):
-        rest = itemsize * math.prod(inner[d + 1 :])
-        if inner[d] * rest <= target_bytes:
+    while itemsize * math.prod(inner) > target_bytes:
+        cuttable = [d for d in range(len(inner)) if inner[d] > 1]
+        if not cuttable:
             break
-        fitting = [q for q in _divisors(inner[d]) if q * rest <= target_bytes]
-        inner[d] = fitting[-1] if fitting else 1
-        if rest <= target_bytes:
-            break
+        gentle = [d for d in cuttable if _smallest_factor(inner[d]) <= 7] or cuttable
+        d = max(gentle, key=lambda i: (inner[i], -i))
+        inner[d] //= _smallest_factor(inner[d])
     return tuple(inner)
 
 

@@ -11,6 +11,7 @@ settings.register_profile(
     "ci",
     max_examples=25,
     deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 settings.register_profile(

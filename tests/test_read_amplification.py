@@ -1,0 +1,219 @@
+"""Reads touch only the inner chunks they need; saves read nothing.
+
+Bytes are counted by TensorStore's own file-kvstore counter, ``/tensorstore/kvstore/file/bytes_read``
+(per process: multi-rank numbers are measured inside each rank and sent back). Two bounds:
+
+* exact accounting: a read fetches at most the inner chunks its box overlaps (each stored with a
+  4-byte crc32c) plus the index of every shard it touches (16 bytes per inner chunk + crc32c),
+  whatever chunk shape the planner chose;
+* for boxes aligned to the inner chunks, at most 1.25x the bytes the box holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+
+import layoutckpt as lc
+
+COUNTER = "/tensorstore/kvstore/file/bytes_read"
+BOUND = 1.25
+CRC = 4  # crc32c after every inner chunk and after each shard index
+INDEX_ENTRY = 16  # (offset, length) as two uint64 per inner chunk
+
+
+def bytes_read() -> int:
+    """This process's running total of bytes TensorStore read from local files."""
+    for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/"):
+        if metric["name"] == COUNTER:
+            return int(sum(v.get("value", 0) for v in metric["values"]))
+    return 0
+
+
+def full_array(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+
+
+def coords_of(axes: dict[str, int], rank: int) -> dict[str, int]:
+    return dict(zip(axes, (int(c) for c in np.unravel_index(rank, tuple(axes.values())))))
+
+
+def box_of(shape: tuple[int, ...], spec: tuple, axes: dict[str, int], rank: int) -> tuple[tuple[int, int], ...]:
+    """This rank's (start, stop) per dim, as torch.chunk cuts them (never empty here)."""
+    coords = coords_of(axes, rank)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    box = []
+    for n, entry in zip(shape, entries):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        k, i = 1, 0
+        for a in names:
+            k, i = k * axes[a], i * axes[a] + coords[a]
+        piece = torch.arange(n).chunk(k)[i]
+        box.append((int(piece[0]), int(piece[-1]) + 1))
+    return tuple(box)
+
+
+def chunk_accounting(info: lc.ArrayInfo, box) -> int:
+    """The most a read of ``box`` may fetch: the inner chunks it overlaps, and the whole index
+    of each shard it overlaps. Computed from the stored chunking alone."""
+    shard, inner = info.shard_shape, info.inner_chunk_shape
+    itemsize = info.dtype.itemsize
+    chunk_bytes = itemsize * math.prod(inner) + CRC
+    index_bytes = INDEX_ENTRY * math.prod(s // c for s, c in zip(shard, inner)) + CRC
+    total = 0
+    ranges = [range(a // s, -(-b // s)) for (a, b), s in zip(box, shard)]
+    for cell in itertools.product(*ranges):
+        sub = [(max(a, i * s), min(b, (i + 1) * s)) for (a, b), i, s in zip(box, cell, shard)]
+        chunks = math.prod((hi - 1) // c - lo // c + 1 for (lo, hi), c in zip(sub, inner))
+        total += chunks * chunk_bytes + index_bytes
+    return total
+
+
+def aligned(info: lc.ArrayInfo, box) -> bool:
+    return all(a % c == 0 and (b % c == 0 or b == n) for (a, b), c, n in zip(box, info.inner_chunk_shape, info.shape))
+
+
+def check(info: lc.ArrayInfo, box, fetched: int, what: object) -> None:
+    needed = math.prod(b - a for a, b in box) * info.dtype.itemsize
+    allowed = chunk_accounting(info, box)
+    assert needed <= fetched <= allowed, (what, fetched, needed, allowed, info)
+    if aligned(info, box):
+        assert fetched <= BOUND * needed, (what, fetched, needed, info)
+
+
+# ----------------------------------------------------------------------------- rank functions
+
+
+def _save(rank, group, path, shape, axes, spec, inner):
+    layout = lc.Layout(lc.Mesh(axes), [(r"^w$", lc.P(*spec))])
+    full = full_array(shape)
+    box = box_of(shape, spec, axes, rank)
+    state = {"w": full[tuple(slice(a, b) for a, b in box)]}
+    before = bytes_read()
+    lc.save(path, state, layout, group=group, inner_chunk_bytes=inner)
+    return bytes_read() - before
+
+
+def _load(rank, group, path, shape, axes, spec):
+    layout = lc.Layout(lc.Mesh(axes), [(r"^w$", lc.P(*spec))])
+    before = bytes_read()
+    out = lc.load(path, layout, group=group)
+    fetched = bytes_read() - before
+    box = box_of(shape, spec, axes, rank)
+    assert torch.equal(out["w"], full_array(shape)[tuple(slice(a, b) for a, b in box)])
+    return fetched
+
+
+# ----------------------------------------------------------------------------- (a) partial reads
+
+
+def middle_chunks(info: lc.ArrayInfo) -> tuple[tuple[int, int], ...]:
+    """The middle half of the inner-chunk grid along every dim: an aligned box of many chunks."""
+    box = []
+    for n, c in zip(info.shape, info.inner_chunk_shape):
+        count = -(-n // c)
+        lo, hi = count // 4, max(count // 4 + 1, 3 * count // 4)
+        box.append((lo * c, min(hi * c, n)))
+    return tuple(box)
+
+
+@pytest.mark.parametrize(
+    ("shape", "inner"),
+    [((512, 256), 8192), ((256, 1024), 1024), ((16, 64, 64), 4096), ((4096,), 512)],
+)
+def test_partial_read_fetches_only_the_chunks_it_needs(tmp_path, shape, inner):
+    path = str(tmp_path / "ck")
+    full = full_array(shape)
+    lc.save(path, {"w": full}, lc.Layout.replicated(), inner_chunk_bytes=inner)
+    rd = lc.open(path)
+    info = rd.info("w")
+    assert math.prod(info.inner_chunk_shape) * 4 <= inner
+    box = middle_chunks(info)
+    index = tuple(slice(a, b) for a, b in box)
+
+    before = bytes_read()
+    got = rd.read("w", index)
+    fetched = bytes_read() - before
+
+    assert np.array_equal(got, full.numpy()[index])
+    assert aligned(info, box)
+    check(info, box, fetched, index)
+    # Far from reading the whole (single-shard) array: the box is at most half of it.
+    assert fetched < 0.6 * full.numel() * 4
+
+
+def test_partial_read_of_a_multi_rank_checkpoint_reads_only_the_shards_it_needs(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    shape, axes = (512, 1024), {"tp": 4}
+    assert ranks.run(_save, 4, path, shape, axes, ("tp", None), 1024) == [0] * 4
+    rd = lc.open(path)
+    info = rd.info("w")
+    assert info.shard_shape == (128, 1024)
+    # Rows 64..192 straddle shards 0 and 1 (of 4): only those two indexes and their chunks.
+    box = ((64, 192), (256, 768))
+    index = tuple(slice(a, b) for a, b in box)
+    before = bytes_read()
+    got = rd.read("w", index)
+    fetched = bytes_read() - before
+    assert np.array_equal(got, full_array(shape).numpy()[index])
+    check(info, box, fetched, index)
+
+
+# ----------------------------------------------------------------------------- (b) resharded loads
+
+
+SAVES = {
+    # 4 ranks, row-sharded, shards (128, 1024) in inner chunks of at most 1 KiB.
+    "rows4": (4, (512, 1024), {"tp": 4}, ("tp", None)),
+    # 2 ranks, column-sharded, shards (256, 512) in inner chunks of at most 1 KiB.
+    "cols2": (2, (256, 1024), {"tp": 2}, (None, "tp")),
+}
+LOADS = [
+    ("rows4", 2, {"tp": 2}, (None, "tp")),  # rows -> columns, on fewer ranks
+    ("rows4", 2, {"tp": 2}, ("tp", None)),  # another tp on another number of ranks
+    ("rows4", 4, {"dp": 2, "tp": 2}, (None, ("dp", "tp"))),  # 2-D mesh, columns by both axes
+    ("rows4", 1, {"dp": 1}, (None, None)),  # everything on one rank
+    ("rows4", 3, {"tp": 3}, ("tp", None)),  # uneven: 171/171/170 rows
+    ("cols2", 4, {"dp": 2, "tp": 2}, ("tp", None)),  # columns -> rows, dp replicas
+    ("cols2", 3, {"tp": 3}, (None, "tp")),  # uneven columns: 342/342/340
+]
+
+
+@pytest.mark.parametrize(("save", "m", "axes", "spec"), LOADS)
+def test_resharded_load_fetches_about_what_each_rank_needs(ranks, tmp_path, save, m, axes, spec):
+    k, shape, save_axes, save_spec = SAVES[save]
+    path = str(tmp_path / save)
+    # (c) along the way: a save reads nothing back, on any rank.
+    assert ranks.run(_save, k, path, shape, save_axes, save_spec, 1024) == [0] * k
+    info = lc.open(path).info("w")
+    assert math.prod(info.inner_chunk_shape) * 4 <= 1024
+
+    for rank, fetched in enumerate(ranks.run(_load, m, path, shape, axes, spec)):
+        check(info, box_of(shape, spec, axes, rank), fetched, (rank, axes, spec))
+
+
+# ----------------------------------------------------------------------------- (c) saves read nothing
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "blosc"])
+def test_save_reads_zero_bytes(tmp_path, compression):
+    path = str(tmp_path / "ck")
+    state = {"w": full_array((128, 256)), "b": torch.ones(7, dtype=torch.bfloat16), "step": 1}
+    before = bytes_read()
+    lc.save(path, state, lc.Layout.replicated(), inner_chunk_bytes=4096, compression=compression)
+    # Replacing a committed checkpoint writes a new one beside it: still nothing read.
+    lc.save(path, state, lc.Layout.replicated(), inner_chunk_bytes=4096, compression=compression, overwrite=True)
+    assert bytes_read() - before == 0
+    assert torch.equal(lc.load(path)["w"], state["w"])
+
+
+def test_multi_rank_save_with_replicas_reads_zero_bytes(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    # dp replicas of each tp shard: only one of them writes it, and no one reads.
+    assert ranks.run(_save, 4, path, (64, 96), {"dp": 2, "tp": 2}, ("tp", None), 2048) == [0] * 4
+    assert torch.equal(lc.load(path)["w"], full_array((64, 96)))
