@@ -19,7 +19,7 @@ from ._dist import check_mesh, comm_for
 from ._errors import TemplateMismatchError
 from ._format import ArrayMeta, CheckpointMeta
 from ._layout import Layout
-from ._spec import check_spec
+from ._spec import Mesh, check_spec
 from ._tree import decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 
 Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
@@ -52,7 +52,7 @@ def load(
 ) -> Any:
     """Load this rank's shards of every (selected) array under ``layout``, in the saved tree.
 
-    ``layout`` defaults to every array whole in one process. With ``like=`` the result takes the
+    ``layout`` defaults to every array whole on every rank. With ``like=`` the result takes the
     template's tree, and each template leaf must match the shape and dtype this rank would load;
     with ``strict`` (default) stored arrays the template lacks are an error, not a silent drop.
     """
@@ -62,8 +62,10 @@ def load(
 
     meta = _store.read_meta(path)
     root = _store.Path(path).absolute()
-    layout = layout if layout is not None else Layout.replicated()
     comm = comm_for(group)
+    if layout is None:
+        # Every array whole on every rank of the group (one process: the whole checkpoint).
+        layout = Layout.replicated(Mesh({"replica": comm.world}) if comm.world > 1 else None)
     check_mesh(layout.mesh, comm)
     stored_leaves = dict(leaf_nodes(meta.tree))
 

@@ -337,3 +337,15 @@ def test_like_template_reshards_and_chooses_types(ranks, tmp_path):
     path = str(tmp_path / "like")
     assert ranks.run(_save_w, 2, path) == [True, True]
     assert ranks.run(_load_like, 3, path) == [True, True, True]
+
+
+def _load_whole_by_default(rank, group, path):
+    out = lc.load(path, group=group)
+    return out["w"].tolist()
+
+
+def test_load_without_layout_gives_every_rank_everything(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    lc.save(path, {"w": w}, lc.Layout.replicated())
+    assert ranks.run(_load_whole_by_default, 3, path) == [w.tolist()] * 3
