@@ -16,8 +16,9 @@ import numpy as np
 
 from . import _plan, _store
 from ._dist import check_mesh, comm_for
+from ._dtypes import numpy_dtype
 from ._errors import TemplateMismatchError
-from ._format import ArrayMeta, CheckpointMeta
+from ._format import ArrayMeta
 from ._layout import Layout
 from ._spec import Mesh, check_spec
 from ._tree import decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
@@ -118,7 +119,7 @@ def load(
         if name in reads:
             data = reads[name].result()
         else:
-            data = np.zeros(_plan.box_shape(box), dtype=_np_dtype(a))
+            data = np.zeros(_plan.box_shape(box), dtype=numpy_dtype(a.dtype))
         kind = a.kind
         target = template.get(name)
         if target is not None:
@@ -137,12 +138,6 @@ def load(
         return t
 
     return unflatten(structure, leaf, keep)
-
-
-def _np_dtype(a: ArrayMeta) -> np.dtype:
-    from ._dtypes import numpy_dtype
-
-    return numpy_dtype(a.dtype)
 
 
 def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...], spec: Any) -> None:
@@ -171,7 +166,3 @@ def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...]
             f"array {name!r}: the template has dtype {target.dtype} but the checkpoint stores {a.dtype}; "
             "use a template of the stored dtype and cast after loading"
         )
-
-
-def load_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
-    return _store.read_meta(path)

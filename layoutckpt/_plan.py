@@ -86,11 +86,6 @@ def inner_chunk_shape(outer: Sequence[int], itemsize: int, target_bytes: int) ->
     return tuple(inner)
 
 
-def replicas(spec: P, ndim: int, mesh: Mesh) -> int:
-    used = set(spec.axes)
-    return math.prod(size for name, size in mesh.axes if name not in used)
-
-
 def global_shape_from_sums(
     name: str, spec: P, mesh: Mesh, sums: Sequence[int], mins: Sequence[int], maxs: Sequence[int]
 ) -> tuple[int, ...]:

@@ -136,7 +136,7 @@ def save(
     signature = [(a.name, a.dtype, a.data.ndim, f"{s!r} on {mesh!r}") for a, s in zip(arrays, specs)]
     hi, lo = _agree(comm, error, [*digest((signature, structure)), sum(a.data.ndim for a in arrays)])
     if hi != lo:
-        raise InconsistentShardsError(_describe_disagreement(comm, signature, structure))
+        raise InconsistentShardsError(_describe_disagreement(comm, signature))
 
     # 2. Global shapes from every rank's local shapes, then this rank's shards are checked.
     local_dims = [d for a in arrays for d in a.data.shape]
@@ -271,7 +271,7 @@ def _commit(comm: Comm, tmp: Path, final: Path, meta: CheckpointMeta, failure: b
         raise SaveError(f"committing {os.fspath(final)!r} failed on rank 0: {status.decode()}")
 
 
-def _describe_disagreement(comm: Comm, signature: list[Any], structure: Any) -> str:
+def _describe_disagreement(comm: Comm, signature: list[Any]) -> str:
     mine = repr(signature).encode()
     everyone = comm.all_gather_bytes(mine)
     differing = [r for r, s in enumerate(everyone) if s != everyone[0]]
