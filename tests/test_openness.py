@@ -18,6 +18,8 @@ import zarr
 
 import layoutckpt as lc
 
+from .oracle import local_shard as oracle_shard
+
 MESH = {"dp": 2, "tp": 2}
 # name -> (global shape, torch dtype name, spec entries)
 ARRAYS = {
@@ -57,16 +59,7 @@ MAKERS = {"random": full_tensor, "compressible": compressible_tensor}
 
 
 def local_shard(full: torch.Tensor, spec: tuple, rank: int) -> torch.Tensor:
-    coords = dict(zip(MESH, (int(c) for c in np.unravel_index(rank, tuple(MESH.values())))))
-    t = full
-    for d, entry in enumerate(spec):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        k, i = 1, 0
-        for a in names:
-            k, i = k * MESH[a], i * MESH[a] + coords[a]
-        pieces = t.chunk(k, d)
-        t = pieces[i] if i < len(pieces) else t.narrow(d, t.shape[d], 0)
-    return t
+    return oracle_shard(full, spec, MESH, rank)
 
 
 def nest(flat: dict[str, object]) -> dict:

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 import layoutckpt as lc
 from layoutckpt import _plan
 
+from .oracle import mesh_coords
+
 AXIS_NAMES = ("dp", "tp", "pp")
 
 
@@ -100,12 +102,6 @@ def norm_entry(entry) -> tuple[str, ...]:
     return tuple(entry)
 
 
-def model_coords(axes: dict[str, int], rank: int) -> dict[str, int]:
-    if not axes:
-        return {}
-    return dict(zip(axes, (int(c) for c in np.unravel_index(rank, tuple(axes.values())))))
-
-
 def model_pieces(entry: tuple[str, ...], axes: dict[str, int], coords: dict[str, int]) -> tuple[int, int]:
     k, i = 1, 0
     for a in entry:
@@ -115,7 +111,7 @@ def model_pieces(entry: tuple[str, ...], axes: dict[str, int], coords: dict[str,
 
 def model_box(shape, raw, axes, rank):
     """Per dim the (start, stop) torch.chunk gives this rank, or None for an empty piece."""
-    coords = model_coords(axes, rank)
+    coords = mesh_coords(axes, rank)
     entries = [norm_entry(e) for e in raw] + [()] * (len(shape) - len(raw))
     box = []
     for n, entry in zip(shape, entries):
@@ -134,13 +130,13 @@ def used_axes(raw) -> set[str]:
 
 def replica_key(raw, axes, rank):
     """Coordinates of the axes the spec does not name: equal within one replica group."""
-    coords = model_coords(axes, rank)
+    coords = mesh_coords(axes, rank)
     return tuple(coords[a] for a in axes if a not in used_axes(raw))
 
 
 def piece_key(raw, axes, rank):
     """Coordinates of the axes the spec names: equal for the replicas of one box."""
-    coords = model_coords(axes, rank)
+    coords = mesh_coords(axes, rank)
     return tuple(coords[a] for a in axes if a in used_axes(raw))
 
 
@@ -250,7 +246,7 @@ def test_mesh_coords_are_row_major(axes):
     assert mesh.size == mesh_size(axes)
     for rank in range(mesh.size):
         coords = mesh.coords(rank)
-        assert coords == model_coords(axes, rank)
+        assert coords == mesh_coords(axes, rank)
         assert mesh.rank_of(coords) == rank
 
 

@@ -21,6 +21,8 @@ import torch
 
 import layoutckpt as lc
 
+from .oracle import mesh_coords
+
 COUNTER = "/tensorstore/kvstore/file/bytes_read"
 BOUND = 1.25
 CRC = 4  # crc32c after every inner chunk and after each shard index
@@ -39,13 +41,9 @@ def full_array(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
 
 
-def coords_of(axes: dict[str, int], rank: int) -> dict[str, int]:
-    return dict(zip(axes, (int(c) for c in np.unravel_index(rank, tuple(axes.values())))))
-
-
 def box_of(shape: tuple[int, ...], spec: tuple, axes: dict[str, int], rank: int) -> tuple[tuple[int, int], ...]:
     """This rank's (start, stop) per dim, as torch.chunk cuts them (never empty here)."""
-    coords = coords_of(axes, rank)
+    coords = mesh_coords(axes, rank)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     box = []
     for n, entry in zip(shape, entries):

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 import layoutckpt as lc
 
+from .oracle import local_shard
+
 AXIS_NAMES = ("dp", "tp", "pp")
 DTYPES = (
     "float32",
@@ -49,31 +51,6 @@ def full_tensor(seed: int, index: int, shape: tuple[int, ...], dtype_name: str) 
     width = torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (math.prod(shape) * width,), generator=g, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
-
-
-def coords_of(axes: dict[str, int], rank: int) -> dict[str, int]:
-    if not axes:
-        return {}
-    return dict(zip(axes, (int(c) for c in np.unravel_index(rank, tuple(axes.values())))))
-
-
-def entry_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def local_shard(full: torch.Tensor, spec, axes: dict[str, int], rank: int) -> torch.Tensor:
-    """This rank's piece, cut as ``torch.chunk`` cuts (a missing tail piece is empty)."""
-    coords = coords_of(axes, rank)
-    t = full
-    for d, entry in enumerate(spec):
-        k, i = 1, 0
-        for a in entry_axes(entry):
-            k, i = k * axes[a], i * axes[a] + coords[a]
-        pieces = t.chunk(k, d)
-        t = pieces[i] if i < len(pieces) else t.narrow(d, t.shape[d], 0)
-    return t
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ import torch
 import layoutckpt as lc
 from layoutckpt._layout import parse_spec
 
+from .oracle import local_shard as oracle_shard
+
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 P = lc.P
 
@@ -84,27 +86,8 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def mesh_coords(axes: dict[str, int], rank: int) -> dict[str, int]:
-    """Row-major: the last axis varies fastest."""
-    coords = {}
-    for name, size in reversed(list(axes.items())):
-        rank, coords[name] = divmod(rank, size)
-    return coords
-
-
 def local_shard(full: torch.Tensor, spec: lc.P, axes: dict[str, int], rank: int) -> torch.Tensor:
-    """This rank's piece, as ``torch.chunk`` cuts each dimension (several axes: major to minor)."""
-    coords = mesh_coords(axes, rank)
-    out = full
-    for dim, entry in enumerate(spec):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        pieces, index = 1, 0
-        for name in names:
-            pieces, index = pieces * axes[name], index * axes[name] + coords[name]
-        if pieces > 1:
-            chunks = out.chunk(pieces, dim=dim)
-            out = chunks[index] if index < len(chunks) else out.narrow(dim, 0, 0)
-    return out.clone()
+    return oracle_shard(full, spec, axes, rank).clone()
 
 
 def cut(tree: Any, layout: lc.Layout, axes: dict[str, int], rank: int, prefix: str = "") -> Any:
