@@ -8,6 +8,7 @@ agree on success before the commit.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +84,68 @@ def comm_for(group: Any = None) -> Comm:
     if group is not None:
         raise WorldSizeError("a process group was passed but torch.distributed is not initialized")
     return Comm(0, 1, None)
+
+
+class StoreComm:
+    """The commit's few collectives over the job's key-value store, for a background thread.
+
+    An async save commits on its own thread while the training loop keeps issuing collectives
+    on its process groups; two threads on one group would interleave their collectives, and a
+    new group per save would be a collective of its own. The rendezvous store that
+    ``init_process_group`` made serves every group, is safe from any thread, and keys under the
+    save's unique temporary name keep concurrent saves of different groups apart. Each step is
+    gather-to-rank-0 and publish: O(ranks) store operations, not O(ranks squared).
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, world: int) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world = world
+        self._step = 0
+
+    def _exchange(self, data: bytes, combine: Any) -> bytes:
+        self._step += 1
+        key = f"{self.prefix}/{self._step}"
+        if self.rank != 0:
+            self.store.set(f"{key}/{self.rank}", data)
+            return bytes(self.store.get(f"{key}/all"))
+        parts = [data]
+        for r in range(1, self.world):
+            parts.append(bytes(self.store.get(f"{key}/{r}")))
+            self.store.delete_key(f"{key}/{r}")
+        out = combine(parts)
+        self.store.set(f"{key}/all", out)
+        return out
+
+    def all_reduce(self, values: Sequence[int], op: str) -> list[int]:
+        reduce = {"sum": sum, "max": max}[op]
+
+        def combine(parts: list[bytes]) -> bytes:
+            rows = [json.loads(p) for p in parts]
+            return json.dumps([reduce(col) for col in zip(*rows)]).encode()
+
+        return json.loads(self._exchange(json.dumps(list(values)).encode(), combine))
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        def combine(parts: list[bytes]) -> bytes:
+            return json.dumps([p.hex() for p in parts]).encode()
+
+        return [bytes.fromhex(h) for h in json.loads(self._exchange(data, combine))]
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        return self._exchange(data or b"", lambda parts: parts[0])
+
+    def barrier(self) -> None:
+        self._exchange(b"", lambda parts: b"")
+
+
+def background_comm(comm: Comm, key: str) -> Comm | StoreComm:
+    """Collectives for the commit of the save named ``key``, safe on a background thread."""
+    if comm.world == 1:
+        return comm
+    store = dist.distributed_c10d._get_default_store()
+    return StoreComm(store, f"layoutckpt/{key}", comm.rank, comm.world)
 
 
 def check_mesh(mesh: Mesh, comm: Comm) -> None:

@@ -46,3 +46,11 @@ class NewerFormatError(FormatError):
 
 class SaveError(RuntimeError):
     """Writing a checkpoint failed on at least one rank; nothing was committed."""
+
+
+class IntegrityError(ValueError):
+    """Stored bytes fail their checksum: the array named in the message is damaged on storage."""
+
+
+class ManagerLockedError(RuntimeError):
+    """Another ``CheckpointManager`` holds the root directory; two would interleave their saves."""

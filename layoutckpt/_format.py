@@ -168,8 +168,11 @@ class CheckpointMeta:
     user_metadata: Mapping[str, Any] = attrs.field(factory=dict)
     library_version: str = ""
     format_version: int = FORMAT_VERSION
+    # The number of per-rank JSON documents (one per saving rank), or None when there are none.
+    rank_state_world: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        optional = {} if self.rank_state_world is None else {"rank_state_world": self.rank_state_world}
         return {
             "format_version": self.format_version,
             "library_version": self.library_version,
@@ -179,6 +182,7 @@ class CheckpointMeta:
             "rules": [[p, s.to_json()] for p, s in self.rules],
             "step": self.step,
             "user_metadata": dict(self.user_metadata),
+            **optional,
         }
 
     @classmethod
@@ -206,6 +210,11 @@ class CheckpointMeta:
             if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
                 raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
             _check_tree_matches(d["tree"], arrays, where)
+            rank_state_world = d.get("rank_state_world")
+            if rank_state_world is not None and (
+                not isinstance(rank_state_world, int) or isinstance(rank_state_world, bool) or rank_state_world < 1
+            ):
+                raise FormatError(f"{where}: rank_state_world must be a positive integer or absent")
             return cls(
                 arrays=arrays,
                 tree=d["tree"],
@@ -215,6 +224,7 @@ class CheckpointMeta:
                 user_metadata=dict(d.get("user_metadata") or {}),
                 library_version=str(d.get("library_version", "")),
                 format_version=version,
+                rank_state_world=rank_state_world,
             )
         except FormatError:
             raise

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _plan, _store
+from . import _plan, _rankstate, _store
 from ._dist import check_mesh, comm_for
 from ._dtypes import numpy_dtype
 from ._errors import TemplateMismatchError
 from ._format import ArrayMeta
+from ._futures import LoadFuture
 from ._layout import Layout
 from ._spec import Mesh, check_spec
 from ._tree import decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
@@ -56,6 +57,25 @@ def load(
     ``layout`` defaults to every array whole on every rank. With ``like=`` the result takes the
     template's tree, and each template leaf must match the shape and dtype this rank would load;
     with ``strict`` (default) stored arrays the template lacks are an error, not a silent drop.
+    A damaged chunk raises ``IntegrityError`` naming its array.
+    """
+    options = dict(like=like, select=select, strict=strict, group=group, concurrency=concurrency)
+    return load_async(path, layout, **options).result()
+
+
+def load_async(
+    path: str | os.PathLike[str],
+    layout: Layout | None = None,
+    *,
+    like: Any = None,
+    select: Select = None,
+    strict: bool = True,
+    group: Any = None,
+    concurrency: int = _store.DEFAULT_CONCURRENCY,
+) -> LoadFuture[Any]:
+    """Plan the load and put every read in flight; ``result()`` waits and builds the state.
+
+    Bad input (a template or layout that does not fit) raises here, before any byte is read.
     """
     import torch
 
@@ -117,7 +137,7 @@ def load(
         a = meta.arrays[name]
         box = boxes[name]
         if name in reads:
-            data = reads[name].result()
+            data = _store.read_result(reads[name], name, os.fspath(path))
         else:
             data = np.zeros(_plan.box_shape(box), dtype=numpy_dtype(a.dtype))
         kind = a.kind
@@ -137,7 +157,7 @@ def load(
             t = t.to(target.device)
         return t
 
-    return unflatten(structure, leaf, keep)
+    return LoadFuture(lambda: unflatten(structure, leaf, keep), list(reads.values()))
 
 
 def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...], spec: Any) -> None:
@@ -166,3 +186,24 @@ def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...]
             f"array {name!r}: the template has dtype {target.dtype} but the checkpoint stores {a.dtype}; "
             "use a template of the stored dtype and cast after loading"
         )
+
+
+def load_rank_state(
+    path: str | os.PathLike[str], *, group: Any = None, redistribute: _rankstate.Redistribute | None = None
+) -> Any:
+    """This rank's ``rank_state=`` document, as it was saved by the rank of the same index.
+
+    When the world size changed, ``redistribute(states, rank, world)`` gets every saved document
+    (index = saved rank) and returns this rank's; without it, a ``WorldSizeError`` says so.
+    """
+    meta = _store.read_meta(path)
+    comm = comm_for(group)
+    if meta.rank_state_world is None:
+        raise KeyError(f"checkpoint {os.fspath(path)!r} holds no per-rank state; it was saved without rank_state=")
+    root = _store.Path(path)
+    saved = meta.rank_state_world
+    if saved == comm.world and redistribute is None:
+        name = _rankstate.file_name(comm.rank)
+        return _rankstate.parse((root / name).read_bytes(), f"{os.fspath(path)}/{name}")
+    states = _rankstate.read_all(root, saved, lambda name: (root / name).read_bytes())
+    return _rankstate.choose(states, comm.rank, comm.world, redistribute, os.fspath(path))

@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from . import _store
+from . import _rankstate, _store
 from ._dtypes import numpy_dtype
 from ._format import ArrayMeta, CheckpointMeta
 from ._spec import Mesh, P
@@ -75,6 +75,13 @@ class Reader:
         """The user metadata saved with the checkpoint."""
         return dict(self.meta.user_metadata)
 
+    def rank_states(self) -> list[Any]:
+        """Every saved rank's ``rank_state=`` document (index = saved rank); empty if none."""
+        world = self.meta.rank_state_world
+        if world is None:
+            return []
+        return _rankstate.read_all(self._root, world, lambda name: (self._root / name).read_bytes())
+
     def keys(self) -> list[str]:
         """Global names of the stored arrays, in tree order."""
         return list(self.meta.arrays)
@@ -128,7 +135,7 @@ class Reader:
         """
         if name in self._values:
             return decode_value(self._values[name])
-        return self.read_async(name, index).result()
+        return _store.read_result(self.read_async(name, index), name, self.path)
 
 
 def open(path: str | os.PathLike[str], **kwargs: Any) -> Reader:  # noqa: A001 - the verb of the API

@@ -7,6 +7,7 @@ futures, all in flight together) -> agree on success -> commit (root metadata la
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,14 +16,16 @@ from typing import Any
 import attrs
 import numpy as np
 
-from . import _plan, _store
-from ._dist import Comm, check_mesh, comm_for, digest
+from . import _plan, _rankstate, _store
+from ._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
 from ._dtypes import zarr_name
 from ._errors import CheckpointExistsError, InconsistentShardsError, SaveError
 from ._format import ArrayMeta, CheckpointMeta, group_document, root_document
+from ._futures import SaveFuture, swap_in_flight, wait_previous
 from ._layout import Layout
 from ._spec import check_spec
-from ._tensors import tensor_zarr_dtype, to_numpy
+from ._staging import Staged, side_stream, stage_all
+from ._tensors import tensor_zarr_dtype
 from ._tree import flatten, name_to_path
 from ._version import __version__
 
@@ -31,20 +34,28 @@ DEFAULT_INNER_CHUNK_BYTES = 2 << 20
 
 @attrs.frozen
 class SaveResult:
-    """What this rank did: the committed path, bytes it wrote, arrays it wrote, seconds taken."""
+    """What this rank did: the committed path, bytes and arrays it wrote, and the time it took.
+
+    ``seconds`` runs from the call to the commit; ``blocked_seconds`` is how long the call held
+    the caller (for ``save_async``, checks, planning and staging; for ``save``, all of it).
+    """
 
     path: str
     bytes_written: int
     arrays_written: int
     seconds: float
+    blocked_seconds: float = 0.0
+    staged_bytes: int = 0
 
 
 @attrs.frozen
 class _Local:
-    """One array leaf as this rank holds it."""
+    """One array leaf as this rank holds it (the live object: nothing is copied yet)."""
 
     name: str
-    data: np.ndarray
+    source: Any
+    shape: tuple[int, ...]
+    itemsize: int
     dtype: str
     kind: str
 
@@ -55,11 +66,12 @@ def _local_arrays(leaves: Mapping[str, Any]) -> list[_Local]:
     out = []
     for name, leaf in leaves.items():
         if isinstance(leaf, torch.Tensor):
-            out.append(_Local(name, to_numpy(leaf), tensor_zarr_dtype(leaf, name), "torch"))
+            dtype = tensor_zarr_dtype(leaf, name)
+            out.append(_Local(name, leaf, tuple(leaf.shape), leaf.element_size(), dtype, "torch"))
         elif isinstance(leaf, np.ndarray):
-            out.append(_Local(name, leaf, zarr_name(leaf.dtype, name), "numpy"))
+            out.append(_Local(name, leaf, leaf.shape, leaf.itemsize, zarr_name(leaf.dtype, name), "numpy"))
         elif isinstance(leaf, np.generic):
-            out.append(_Local(name, np.asarray(leaf), zarr_name(leaf.dtype, name), "numpy_scalar"))
+            out.append(_Local(name, np.asarray(leaf), (), leaf.itemsize, zarr_name(leaf.dtype, name), "numpy_scalar"))
     return out
 
 
@@ -86,6 +98,7 @@ def save(
     *,
     step: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    rank_state: Any = None,
     overwrite: bool = False,
     group: Any = None,
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
@@ -95,80 +108,146 @@ def save(
     """Save this rank's shards of ``state`` under ``layout``; every rank of the group calls it.
 
     ``state`` is a nested dict/list of local shards (``torch.Tensor`` or NumPy arrays, whose
-    global shape is recovered from all ranks' local shapes) and JSON values. Returns after the
-    checkpoint is committed on every rank. Bad input raises before anything is written.
+    global shape is recovered from all ranks' local shapes) and JSON values. ``rank_state`` is
+    this rank's own JSON-like state (see ``load_rank_state``). Returns after the checkpoint is
+    committed on every rank. Bad input raises before anything is written. The caller is blocked
+    throughout, so the live tensors are written without a staging copy.
     """
+    options = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=group)
+    storage = dict(inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency)
+    return _start(path, state, layout, copy=False, lazy=False, budget=None, **options, **storage).result()
+
+
+def save_async(
+    path: str | os.PathLike[str],
+    state: Any,
+    layout: Layout,
+    *,
+    step: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    rank_state: Any = None,
+    overwrite: bool = False,
+    group: Any = None,
+    lazy: bool = False,
+    host_memory_budget: int | None = None,
+    inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
+    compression: str | None = None,
+    concurrency: int = _store.DEFAULT_CONCURRENCY,
+) -> SaveFuture:
+    """Start saving; return once the state is staged (copied out of the live tensors).
+
+    Writing and the commit run on a background thread; ``fut.result()`` waits for the commit
+    and raises any rank's failure. With ``lazy=True`` the call returns before the copy is done:
+    call ``fut.wait_staged()`` before mutating the state (e.g. before ``optimizer.step()``).
+    Staging buffers are reused from save to save; ``host_memory_budget`` (bytes) caps them, and
+    a larger state is staged in waves as writes free buffers. One save is in flight at a time:
+    this call first waits for the previous one, and raises its failure if nobody has seen it.
+    """
+    options = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=group)
+    storage = dict(inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency)
+    return _start(path, state, layout, copy=True, lazy=lazy, budget=host_memory_budget, **options, **storage)
+
+
+@attrs.frozen
+class _Job:
+    """Everything the background part of a save needs; planned before the call returns."""
+
+    tmp: Path
+    final: Path
+    meta: CheckpointMeta
+    arrays: list[_Local]
+    metas: dict[str, ArrayMeta]
+    mine: list[tuple[int, _plan.Box]]
+    rank_doc: bytes | None
+    overwrite: bool
+    concurrency: int
+    started: float
+
+
+def _start(
+    path: str | os.PathLike[str],
+    state: Any,
+    layout: Layout,
+    *,
+    copy: bool,
+    lazy: bool,
+    budget: int | None,
+    step: int | None,
+    metadata: Mapping[str, Any] | None,
+    rank_state: Any,
+    overwrite: bool,
+    group: Any,
+    inner_chunk_bytes: int,
+    compression: str | None,
+    concurrency: int,
+) -> SaveFuture:
     t0 = time.perf_counter()
     mesh = layout.mesh
     comm = comm_for(group)
     final = Path(path).absolute()
+    # One save in flight: its buffers come back, and its failure is not lost.
+    previous = wait_previous()
 
     # 1. Local checks. An error is held until every rank has reported, so no rank hangs.
     error: BaseException | None = None
     structure: Any = None
     arrays: list[_Local] = []
     specs = []
+    rank_doc = None
     try:
+        if previous is not None:
+            raise SaveError(f"the previous save_async failed, and this save was not started: {previous}") from previous
         check_mesh(mesh, comm)
         structure, leaves = flatten(state)
         arrays = _local_arrays(leaves)
         for a in arrays:
             spec = layout.spec_for(a.name)
-            check_spec(spec, mesh, a.data.ndim, a.name, a.data.shape)
+            check_spec(spec, mesh, len(a.shape), a.name, a.shape)
             specs.append(spec)
         _check_user_metadata(metadata)
-        if _store.is_committed(final) and not overwrite:
-            raise CheckpointExistsError(
-                f"a committed checkpoint already exists at {os.fspath(path)!r}; pass overwrite=True "
-                "to replace it, or save to a new path"
-            )
-        if final.exists() and not _store.is_committed(final):
-            # Never replace what is not ours, even with overwrite=True: a checkpoint is only ever
-            # renamed into place whole, so anything else at the path belongs to someone else.
-            raise CheckpointExistsError(
-                f"{os.fspath(path)!r} exists and is not a committed layoutckpt checkpoint; remove it "
-                "yourself or save to a new path (overwrite=True only replaces checkpoints)"
-            )
+        if rank_state is not None:
+            rank_doc = _rankstate.document(rank_state, comm.rank, comm.world)
+        _check_destination(path, final, overwrite)
     except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
         error = err
     # The mesh is part of each spec: ranks that order or size the mesh axes differently would
     # place their shards at different boxes.
-    signature = [(a.name, a.dtype, a.data.ndim, f"{s!r} on {mesh!r}") for a, s in zip(arrays, specs)]
-    hi, lo = _agree(comm, error, [*digest((signature, structure)), sum(a.data.ndim for a in arrays)])
+    signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {mesh!r}") for a, s in zip(arrays, specs)]
+    agreed = (signature, structure, rank_doc is not None)
+    hi, lo = _agree(comm, error, [*digest(agreed), sum(len(a.shape) for a in arrays)])
     if hi != lo:
         raise InconsistentShardsError(_describe_disagreement(comm, signature))
 
     # 2. Global shapes from every rank's local shapes, then this rank's shards are checked.
-    local_dims = [d for a in arrays for d in a.data.shape]
+    local_dims = [d for a in arrays for d in a.shape]
     sums = comm.all_reduce(local_dims, "sum")
     maxs, mins = comm.all_max_min(local_dims)
     metas: dict[str, ArrayMeta] = {}
     plan_arrays: list[_plan.ArraySpec] = []
     offset = 0
     for a, spec in zip(arrays, specs):
-        sl = slice(offset, offset + a.data.ndim)
-        offset += a.data.ndim
+        sl = slice(offset, offset + len(a.shape))
+        offset += len(a.shape)
         shape = _plan.global_shape_from_sums(a.name, spec, mesh, sums[sl], mins[sl], maxs[sl])
         outer = _plan.shard_shape(shape, spec, mesh)
-        itemsize = a.data.dtype.itemsize
         metas[a.name] = ArrayMeta(
             path=name_to_path(a.name),
             shape=shape,
             dtype=a.dtype,
             shard_shape=outer,
-            inner_chunk_shape=_plan.inner_chunk_shape(outer, itemsize, inner_chunk_bytes),
+            inner_chunk_shape=_plan.inner_chunk_shape(outer, a.itemsize, inner_chunk_bytes),
             spec=spec,
             kind=a.kind,
             compression=compression,
         )
-        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, itemsize))
+        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize))
     error = None
     try:
         for a, pa in zip(arrays, plan_arrays):
             expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, mesh, comm.rank))
-            if tuple(a.data.shape) != expected:
+            if a.shape != expected:
                 raise InconsistentShardsError(
-                    f"array {a.name!r}: rank {comm.rank} holds a shard of shape {tuple(a.data.shape)}, but "
+                    f"array {a.name!r}: rank {comm.rank} holds a shard of shape {a.shape}, but "
                     f"the global shape {pa.shape} recovered from all ranks, split by {pa.spec!r} on "
                     f"{mesh!r} (as torch.chunk would), gives this rank {expected}; check that every "
                     "rank passes its own shard of the same tensor"
@@ -177,8 +256,10 @@ def save(
         error = err
     _agree(comm, error, [])
 
-    # 3. Write: the temporary directory's name comes from rank 0, every rank writes its boxes.
+    # 3. The temporary directory's name comes from rank 0; it also keys the commit's store
+    # exchanges, so they never mix with another save's.
     tmp = Path(comm.broadcast_bytes(str(_store.temp_dir_for(final)).encode() if comm.rank == 0 else None).decode())
+    writer_comm = comm if not copy else background_comm(comm, tmp.name)
     meta = CheckpointMeta(
         arrays=metas,
         tree=structure,
@@ -187,29 +268,126 @@ def save(
         step=step,
         user_metadata=dict(metadata or {}),
         library_version=__version__,
+        rank_state_world=comm.world if rank_doc is not None else None,
     )
+    mine = _plan.writes_of(plan_arrays, mesh, comm.rank)
+    job = _Job(tmp, final, meta, arrays, metas, mine, rank_doc, overwrite, concurrency, t0)
+    items = [Staged(arrays[i].source) for i, _ in mine]
+    fut = SaveFuture(os.fspath(final))
+
+    # 4. Stage and write. A synchronous save writes straight from the live tensors.
+    if not copy:
+        for s in items:
+            s.view()
+        fut._set_staged()
+        _write_and_commit(job, items, writer_comm, fut, [])
+        return fut
+    stream = side_stream(items)
+    if stream is not None:
+        fut._wait_staged_hook = stream.synchronize
+    blocked = [0.0]  # set before the call returns, read once the commit is done
+    swap_in_flight(fut)
+    threading.Thread(
+        target=_write_and_commit, args=(job, items, writer_comm, fut, blocked), name="layoutckpt-save"
+    ).start()
+
+    def stage() -> None:
+        try:
+            stage_all(items, budget, stream)
+        except BaseException as err:
+            fut._set_staged(err)
+            raise
+        fut._set_staged()
+
+    if lazy:
+        threading.Thread(target=_quietly(stage), name="layoutckpt-stage", daemon=True).start()
+    else:
+        stage()
+        fut.wait_staged()
+    blocked[0] = time.perf_counter() - t0
+    return fut
+
+
+def _quietly(fn: Any) -> Any:
+    """Run ``fn`` on a thread whose exception is reported by a future, not printed."""
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - the future carries it
+            pass
+
+    return run
+
+
+def _check_destination(path: str | os.PathLike[str], final: Path, overwrite: bool) -> None:
+    if _store.is_committed(final) and not overwrite:
+        raise CheckpointExistsError(
+            f"a committed checkpoint already exists at {os.fspath(path)!r}; pass overwrite=True "
+            "to replace it, or save to a new path"
+        )
+    if final.exists() and not _store.is_committed(final):
+        # Never replace what is not ours, even with overwrite=True: a checkpoint is only ever
+        # renamed into place whole, so anything else at the path belongs to someone else.
+        raise CheckpointExistsError(
+            f"{os.fspath(path)!r} exists and is not a committed layoutckpt checkpoint; remove it "
+            "yourself or save to a new path (overwrite=True only replaces checkpoints)"
+        )
+
+
+def _write_and_commit(
+    job: _Job, items: list[Staged], comm: Comm | StoreComm, fut: SaveFuture, blocked: list[float]
+) -> None:
+    """Write this rank's boxes as they are staged, agree on success, commit; settle ``fut``."""
     written = 0
-    count = 0
     failure = b""
     try:
-        if comm.rank == 0:
-            _write_skeleton(tmp, meta)
-        ctx = _store.context(concurrency)
-        mine = _plan.writes_of(plan_arrays, mesh, comm.rank)
-        opened = {i: _store.open_array(ctx, tmp, metas[arrays[i].name]) for i, _ in mine}
-        futures = []
-        for i, box in mine:
-            store = opened[i].result()
-            target = store[tuple(slice(a, b) for a, b in box)] if box else store
-            futures.append(target.write(arrays[i].data, can_reference_source_data_indefinitely=True))
-            written += arrays[i].data.nbytes
-            count += 1
-        for f in futures:
-            f.result()
+        written = _write(job, items, comm.rank)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         failure = f"{type(err).__name__}: {err}".encode()
-    _commit(comm, tmp, final, meta, failure, overwrite)
-    return SaveResult(os.fspath(final), written, count, time.perf_counter() - t0)
+    try:
+        _commit(comm, job.tmp, job.final, job.meta, failure, job.overwrite)
+    except BaseException as err:  # noqa: BLE001 - the future raises it
+        fut._finish(error=err)
+        return
+    seconds = time.perf_counter() - job.started
+    # ``blocked`` is empty for a synchronous save: the caller waited for all of it.
+    held, staged = (blocked[0], written) if blocked else (seconds, 0)
+    fut._finish(SaveResult(os.fspath(job.final), written, len(job.mine), seconds, held, staged))
+
+
+def _write(job: _Job, items: list[Staged], rank: int) -> int:
+    """Issue every write as soon as its shard is staged; a written buffer goes back at once."""
+    if rank == 0:
+        _write_skeleton(job.tmp, job.meta)
+    if job.rank_doc is not None:
+        _store.write_file(job.tmp / _rankstate.file_name(rank), job.rank_doc)
+    ctx = _store.context(job.concurrency)
+    opened = {i: _store.open_array(ctx, job.tmp, job.metas[job.arrays[i].name]) for i, _ in job.mine}
+    pending = []
+    written = 0
+    try:
+        for (i, box), item in zip(job.mine, items):
+            store = opened[i].result()
+            data = item.wait()
+            target = store[tuple(slice(a, b) for a, b in box)] if box else store
+            w = target.write(data, can_reference_source_data_indefinitely=True)
+            # Back-pressure: staging may be waiting for exactly this buffer.
+            w.commit.add_done_callback(lambda _, item=item: item.release())
+            pending.append(w)
+            written += data.nbytes
+        for w in pending:
+            w.result()
+    finally:
+        for w in pending:
+            try:
+                w.result()
+            except Exception:  # noqa: BLE001 - the first failure is already being raised
+                pass
+        for item in items:
+            item.fail(SaveError("the save stopped before this shard was written"))
+            item.release()
+    return written
 
 
 def _check_user_metadata(metadata: Mapping[str, Any] | None) -> None:
@@ -243,11 +421,15 @@ def _write_skeleton(tmp: Path, meta: CheckpointMeta) -> None:
         parts = a.path.split("/")
         groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
         _store.write_file(tmp / a.path / "zarr.json", json.dumps(a.zarr_metadata()).encode())
+    if meta.rank_state_world is not None:
+        groups.add(_rankstate.DIR)
     for g in groups:
         _store.write_file(tmp / g / "zarr.json", group_document())
 
 
-def _commit(comm: Comm, tmp: Path, final: Path, meta: CheckpointMeta, failure: bytes, overwrite: bool) -> None:
+def _commit(
+    comm: Comm | StoreComm, tmp: Path, final: Path, meta: CheckpointMeta, failure: bytes, overwrite: bool
+) -> None:
     """Commit only if every rank wrote all it had to; otherwise remove the partial data."""
     (failed,) = comm.all_reduce([1 if failure else 0], "max")
     if failed:
@@ -276,7 +458,11 @@ def _describe_disagreement(comm: Comm, signature: list[Any]) -> str:
     everyone = comm.all_gather_bytes(mine)
     differing = [r for r, s in enumerate(everyone) if s != everyone[0]]
     if not differing:
-        return "ranks hold the same arrays but different JSON values or tree structure; non-tensor leaves must be equal on every rank"
+        return (
+            "ranks hold the same arrays but different JSON values, tree structure, or rank_state "
+            "presence; non-tensor leaves must be equal on every rank (per-rank values go in "
+            "rank_state=, which every rank passes or none)"
+        )
     r = differing[0]
     first = dict((n, (d, k, s)) for n, d, k, s in eval_signature(everyone[0]))
     other = dict((n, (d, k, s)) for n, d, k, s in eval_signature(everyone[r]))

@@ -16,7 +16,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ._errors import CheckpointNotFoundError
+from ._errors import CheckpointNotFoundError, IntegrityError
 from ._format import ArrayMeta, CheckpointMeta, parse_root_document
 
 TMP_MARK = ".tmp-"
@@ -51,6 +51,20 @@ def array_spec(root: Path, meta: ArrayMeta) -> dict[str, Any]:
 
 def open_array(ctx: ts.Context, root: Path, meta: ArrayMeta) -> ts.Future[ts.TensorStore]:
     return ts.open(array_spec(root, meta), context=ctx)
+
+
+def read_result(future: Any, name: str, where: str) -> Any:
+    """A TensorStore read's result; a checksum failure becomes an ``IntegrityError`` naming the array."""
+    try:
+        return future.result()
+    except ValueError as err:
+        if "DATA_LOSS" not in str(err):
+            raise
+        raise IntegrityError(
+            f"array {name!r} of checkpoint {where!r} is damaged on storage (a crc32c checksum does not "
+            f"match: {err}); the other arrays are unaffected, restore this one from another checkpoint "
+            "or replica"
+        ) from None
 
 
 def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:

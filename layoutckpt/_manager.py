@@ -1,0 +1,277 @@
+"""``CheckpointManager``: the checkpoints of one training run, under one root directory.
+
+    root/
+      .layoutckpt.lock              held (flock) by the manager's rank 0 while it lives
+      step_00000100/                a committed checkpoint (its root zarr.json is the marker)
+      step_00000200/
+      .step_00000300.tmp-1f2e...    a save in progress, or the leftover of a crashed one
+
+Only committed checkpoints exist for ``steps()``/``latest_step()``/``load``; a restart removes
+the leftovers of uncommitted ones. Retention runs in the background after each commit and never
+deletes the newest committed checkpoint. A second manager on the same root is refused, so two
+jobs never interleave their saves and deletions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from . import _store
+from ._dist import comm_for
+from ._errors import CheckpointNotFoundError, ManagerLockedError
+from ._futures import SaveFuture
+from ._layout import Layout
+from ._load import Select, load, load_rank_state
+from ._reader import Reader
+from ._save import SaveResult, save, save_async
+
+_STEP = re.compile(r"^step_(\d+)$")
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|del|old)-[0-9a-f]+$")
+LOCK_FILE = ".layoutckpt.lock"
+
+
+def step_dir(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def to_delete(steps: list[int], keep_last: int | None, keep_every: int | None) -> list[int]:
+    """The committed steps retention removes: all but the newest ``keep_last``, the multiples of
+    ``keep_every``, and (always) the newest one."""
+    steps = sorted(steps)
+    if not steps:
+        return []
+    keep = set(steps if keep_last is None else steps[len(steps) - keep_last :])
+    if keep_every is not None:
+        keep.update(s for s in steps if s % keep_every == 0)
+    keep.add(steps[-1])
+    return [s for s in steps if s not in keep]
+
+
+class CheckpointManager:
+    """Save, list, load and retire the checkpoints of a training run; every rank creates one.
+
+    >>> mgr = CheckpointManager("ckpts", keep_last=3, keep_every=1000)  # doctest: +SKIP
+    >>> mgr.save(step, state, layout)        # async: returns once the state is staged
+    >>> mgr.load(layout)                     # the latest committed step
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        group: Any = None,
+        **save_options: Any,
+    ) -> None:
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        self.root = Path(root).absolute()
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self._group = group
+        self._save_options = save_options
+        self._comm = comm_for(group)
+        self._lock_fd: int | None = None
+        self._last: SaveFuture | None = None
+        self._retention: concurrent.futures.ThreadPoolExecutor | None = None
+        self._retiring: list[concurrent.futures.Future[None]] = []
+
+        # Rank 0 takes the lock and cleans up; every rank learns whether it could.
+        status = b""
+        if self._comm.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._lock_fd = _take_lock(self.root)
+                _remove_leftovers(self.root)
+                self._retention = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="layoutckpt-retain")
+            except Exception as err:  # noqa: BLE001 - every rank raises it below
+                status = f"{type(err).__name__}: {err}".encode()
+        status = self._comm.broadcast_bytes(status if self._comm.rank == 0 else None)
+        if status:
+            self._release_lock()
+            raise ManagerLockedError(f"cannot manage {os.fspath(self.root)!r}: {status.decode()}")
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({os.fspath(self.root)!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Listing ------------------------------------------------------------------------------------
+    def path(self, step: int) -> Path:
+        return self.root / step_dir(step)
+
+    def steps(self) -> list[int]:
+        """The committed steps, oldest first. A save still in progress is not among them."""
+        found = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for e in entries:
+            m = _STEP.match(e.name)
+            if m and _store.is_committed(e.path):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def _resolve(self, step: int | None) -> Path:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    2, f"no committed checkpoint under {os.fspath(self.root)!r}; save one first", os.fspath(self.root)
+                )
+        return self.path(step)
+
+    # Saving -------------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Any,
+        layout: Layout,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        rank_state: Any = None,
+        overwrite: bool = False,
+        **options: Any,
+    ) -> SaveFuture:
+        """Save ``state`` as ``step``; asynchronous unless the manager was made with ``async_save=False``.
+
+        Returns a ``SaveFuture`` (already done for a synchronous save). Retention runs after the
+        commit, in the background.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        kwargs = {**self._save_options, **options}
+        kwargs.update(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=self._group)
+        if self.async_save:
+            fut = save_async(self.path(step), state, layout, **kwargs)
+        else:
+            result = save(self.path(step), state, layout, **kwargs)
+            fut = SaveFuture(result.path)
+            fut._finish(result)
+        self._last = fut
+        if self._retention is not None:
+            # Queued now (so wait() sees it), run once this save has committed.
+            self._retiring.append(self._retention.submit(self._retire_after, fut))
+        return fut
+
+    def _retire_after(self, fut: SaveFuture) -> None:
+        if fut._future.exception() is not None:
+            return  # a failed save changes nothing; the checkpoints we have stay
+        for step in to_delete(self.steps(), self.keep_last, self.keep_every):
+            _retire_dir(self.path(step))
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the last save (raising its failure) and for retention; the save's result."""
+        result = self._last.result() if self._last is not None else None
+        for f in self._retiring:
+            f.result()
+        self._retiring = [f for f in self._retiring if not f.done()]
+        return result
+
+    def close(self) -> None:
+        """Wait for pending work, then release the root for another manager."""
+        try:
+            self.wait()
+        finally:
+            if self._retention is not None:
+                self._retention.shutdown(wait=True)
+                self._retention = None
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    # Loading ------------------------------------------------------------------------------------
+    def load(
+        self,
+        layout: Layout | None = None,
+        *,
+        step: int | None = None,
+        like: Any = None,
+        select: Select = None,
+        strict: bool = True,
+        **options: Any,
+    ) -> Any:
+        """Load ``step`` (default: the latest committed) under ``layout``; see ``lc.load``."""
+        path = self._resolve(step)
+        return load(path, layout, like=like, select=select, strict=strict, group=self._group, **options)
+
+    def load_rank_state(self, step: int | None = None, *, redistribute: Any = None) -> Any:
+        return load_rank_state(self._resolve(step), group=self._group, redistribute=redistribute)
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The user metadata of ``step`` (default: latest), read without loading any array."""
+        return dict(_store.read_meta(self._resolve(step)).user_metadata)
+
+    def reader(self, step: int | None = None) -> Reader:
+        return Reader(self._resolve(step))
+
+
+def _take_lock(root: Path) -> int:
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ManagerLockedError(
+            f"another CheckpointManager ({holder}) manages this root; close it first, or give each "
+            "run its own root directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n".encode(), 0)
+    return fd
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Crash leftovers under the lock: unfinished saves and deletions, uncommitted step folders.
+
+    An ``.old-`` folder is a committed checkpoint set aside by an overwrite; if the crash came
+    before its replacement was renamed into place, it is put back instead of deleted.
+    """
+    for e in list(os.scandir(root)):
+        m = _LEFTOVER.match(e.name)
+        if m:
+            final = root / m.group("name")
+            if m.group("kind") == "old" and not final.exists() and _store.is_committed(e.path):
+                os.rename(e.path, final)
+                _store.fsync_dir(root)
+            else:
+                _store.remove_tree(Path(e.path))
+        elif _STEP.match(e.name) and e.is_dir() and not _store.is_committed(e.path):
+            _store.remove_tree(Path(e.path))
+
+
+def _retire_dir(path: Path) -> None:
+    """Rename first (the checkpoint disappears at once, whole), then delete at leisure."""
+    aside = path.parent / f".{path.name}.del-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    _store.fsync_dir(path.parent)
+    _store.remove_tree(aside)

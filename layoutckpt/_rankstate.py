@@ -1,0 +1,136 @@
+"""Per-rank documents: state each rank owns alone (a data loader's position, its RNG state).
+
+Such state is not a shard of a global array, so it has no layout: each rank stores one JSON
+document and gets its own back when the world size is unchanged. The documents are the
+attributes of Zarr groups (``.rank_state/00003/zarr.json``), so the checkpoint stays a valid
+Zarr hierarchy that plain ``zarr`` walks without complaint.
+Values are tagged JSON, decoded without running code: dicts (any str/int keys, kept in order),
+lists, tuples, None/bool/int/float/str, bytes, and small tensors or arrays (an RNG state from
+``torch.get_rng_state()`` goes in as it is) whose bytes are base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._dtypes import numpy_dtype, zarr_name
+from ._errors import FormatError, WorldSizeError
+from ._tree import _encode_value, decode_value
+
+DIR = ".rank_state"
+# A document is read whole on every load; bulk data belongs in arrays.
+MAX_DOCUMENT_BYTES = 64 << 20
+
+Redistribute = Callable[[list[Any], int, int], Any]
+
+
+ATTRS_KEY = "layoutckpt_rank_state"
+
+
+def file_name(rank: int) -> str:
+    return f"{DIR}/{rank:05d}/zarr.json"
+
+
+def encode(x: Any, where: str = "rank_state") -> Any:
+    if isinstance(x, Mapping):
+        for k in x:
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                raise TypeError(f"{where}: key {k!r} is a {type(k).__name__}; per-rank state keys must be str or int")
+        return {"dict": [[k, encode(v, f"{where}[{k!r}]")] for k, v in x.items()]}
+    if isinstance(x, list | tuple):
+        kind = "list" if isinstance(x, list) else "tuple"
+        return {kind: [encode(v, f"{where}[{i}]") for i, v in enumerate(x)]}
+    if isinstance(x, bytes):
+        return {"bytes": base64.b64encode(x).decode()}
+    array = _as_array(x)
+    if array is not None:
+        data, kind = array
+        if data.nbytes > MAX_DOCUMENT_BYTES:
+            raise ValueError(
+                f"{where}: a {data.nbytes}-byte array is too large for a per-rank document; save it "
+                "as an array of the state, under a layout"
+            )
+        return {
+            "ndarray": {
+                "dtype": zarr_name(data.dtype, where),
+                "shape": list(data.shape),
+                "kind": kind,
+                "base64": base64.b64encode(np.ascontiguousarray(data).tobytes()).decode(),
+            }
+        }
+    return _encode_value(x, where)
+
+
+def _as_array(x: Any) -> tuple[np.ndarray, str] | None:
+    if isinstance(x, np.ndarray | np.generic):
+        return np.asarray(x), "numpy"
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        from ._tensors import to_numpy
+
+        return to_numpy(x.detach().cpu()), "torch"
+    return None
+
+
+def decode(node: Any) -> Any:
+    if "dict" in node:
+        return {k: decode(v) for k, v in node["dict"]}
+    if "list" in node:
+        return [decode(v) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(decode(v) for v in node["tuple"])
+    if "bytes" in node:
+        return base64.b64decode(node["bytes"])
+    if "ndarray" in node:
+        a = node["ndarray"]
+        data = np.frombuffer(base64.b64decode(a["base64"]), dtype=numpy_dtype(a["dtype"])).reshape(a["shape"]).copy()
+        if a["kind"] == "torch":
+            from ._tensors import from_numpy
+
+            return from_numpy(data, a["dtype"])
+        return data
+    return decode_value(node)
+
+
+def document(value: Any, rank: int, world: int) -> bytes:
+    """The file one rank writes; raises (naming the bad leaf) before anything is written."""
+    body = {"rank": rank, "world": world, "state": encode(value)}
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: body}}
+    raw = json.dumps(doc, allow_nan=False).encode()
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        raise ValueError(f"rank_state of rank {rank} is {len(raw)} bytes as JSON; the limit is {MAX_DOCUMENT_BYTES}")
+    return raw
+
+
+def parse(raw: bytes, where: str) -> Any:
+    try:
+        return decode(json.loads(raw)["attributes"][ATTRS_KEY]["state"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise FormatError(f"{where}: the per-rank document is malformed ({err!r}); the checkpoint is corrupt") from None
+
+
+def choose(states: Sequence[Any], rank: int, world: int, redistribute: Redistribute | None, where: str) -> Any:
+    """This rank's document; when the world size changed, ``redistribute`` decides."""
+    saved = len(states)
+    if redistribute is not None and saved != world:
+        return redistribute(list(states), rank, world)
+    if saved != world:
+        raise WorldSizeError(
+            f"{where} holds per-rank state of {saved} ranks but this job has {world}; pass "
+            "redistribute=fn, where fn(states, rank, world) gets all saved documents (index = saved "
+            "rank) and returns this rank's, or read them all with lc.open(path).rank_states()"
+        )
+    return states[rank]
+
+
+def read_all(root: os.PathLike[str] | str, world: int, read: Callable[[str], bytes]) -> list[Any]:
+    where = os.fspath(root)
+    return [parse(read(file_name(r)), f"{where}/{file_name(r)}") for r in range(world)]

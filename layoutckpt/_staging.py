@@ -1,0 +1,236 @@
+"""Staging: copy the shards a rank writes out of the live tensors into reused host buffers.
+
+The optimizer mutates parameters in place right after a checkpoint call returns, so an async
+save must own a copy of the bytes it writes. The copy is the only part of a save the training
+loop has to wait for; everything after it (writes, commit) runs in the background.
+
+- Buffers are reused from save to save (keyed by byte size): steady-state saves allocate nothing,
+  so the copy runs at memcpy speed instead of page-faulting fresh memory every step.
+- A byte budget caps the host memory held by staging. A save larger than the budget stages in
+  waves: staging waits for written buffers to come back (back-pressure) instead of running out of
+  memory. One buffer larger than the whole budget is still allowed when nothing else is held, or
+  a large array could never be saved.
+- CUDA tensors are copied into pinned buffers on a side stream, so device-to-host copies overlap
+  the caller's kernels; an event per shard says when its bytes are on the host.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._tensors import to_numpy
+
+
+class HostBuffers:
+    """A pool of uint8 host buffers with a byte budget; thread-safe."""
+
+    def __init__(self, budget: int | None = None, *, pinned: bool = False) -> None:
+        self.budget = budget
+        self.pinned = pinned
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._free_bytes = 0
+        self._used_bytes = 0
+        self._cond = threading.Condition()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this pool holds now, in use or kept for reuse."""
+        with self._cond:
+            return self._free_bytes + self._used_bytes
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A buffer of exactly ``nbytes``; waits while the budget is used by buffers in flight."""
+        with self._cond:
+            while True:
+                free = self._free.get(nbytes)
+                if free:
+                    buf = free.pop()
+                    self._free_bytes -= nbytes
+                    self._used_bytes += nbytes
+                    return buf
+                self._evict_until(nbytes)
+                if self.budget is None or self._used_bytes == 0 or self._fits(nbytes):
+                    self._used_bytes += nbytes
+                    break
+                self._cond.wait()
+        # Allocate outside the lock: touching fresh pages is the slow part.
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        except BaseException:
+            with self._cond:
+                self._used_bytes -= nbytes
+                self._cond.notify_all()
+            raise
+
+    def release(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel()
+        with self._cond:
+            self._used_bytes -= nbytes
+            if self.budget is None or self._fits(nbytes):
+                self._free[nbytes].append(buf)
+                self._free_bytes += nbytes
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Drop every buffer kept for reuse (buffers in use are unaffected)."""
+        with self._cond:
+            self._free.clear()
+            self._free_bytes = 0
+
+    def _fits(self, nbytes: int) -> bool:
+        assert self.budget is not None
+        return self._used_bytes + self._free_bytes + nbytes <= self.budget
+
+    def _evict_until(self, nbytes: int) -> None:
+        """Free kept buffers of other sizes until ``nbytes`` more fit the budget."""
+        if self.budget is None:
+            return
+        for size in sorted(self._free, reverse=True):
+            while self._free[size] and not self._fits(nbytes):
+                self._free[size].pop()
+                self._free_bytes -= size
+            if self._fits(nbytes):
+                return
+
+
+_POOLS: dict[bool, HostBuffers] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def pool(*, pinned: bool, budget: int | None) -> HostBuffers:
+    """The process's staging pool (one for pinned, one for pageable memory); the latest budget wins."""
+    with _POOLS_LOCK:
+        p = _POOLS.get(pinned)
+        if p is None:
+            p = _POOLS[pinned] = HostBuffers(budget, pinned=pinned)
+        with p._cond:
+            p.budget = budget
+            p._cond.notify_all()
+        return p
+
+
+class Staged:
+    """One shard's bytes on the host, and the buffer to give back once they are written."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.data: np.ndarray | None = None
+        self._buffer: torch.Tensor | None = None
+        self._pool: HostBuffers | None = None
+        self._event: Any = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._release_lock = threading.Lock()
+
+    def copy(self, budget: int | None, stream: Any = None) -> None:
+        """Copy ``source`` into a pooled buffer (on ``stream`` for CUDA tensors)."""
+        try:
+            self._copy(budget, stream)
+        except BaseException as err:
+            self._error = err
+            raise
+        finally:
+            self.source = None  # do not keep the caller's tensor alive
+            self._ready.set()
+
+    def view(self) -> None:
+        """No copy: the caller is blocked until the write ends (synchronous ``save``)."""
+        src = self.source
+        if isinstance(src, torch.Tensor):
+            self.data = to_numpy(src)  # a device tensor is copied to the host here
+        else:
+            self.data = np.asarray(src)
+        self.source = None
+        self._ready.set()
+
+    def fail(self, err: BaseException) -> None:
+        """Staging stopped before this item: whoever waits for it gets ``err``."""
+        if not self._ready.is_set():
+            self._error = err
+            self._ready.set()
+
+    def _copy(self, budget: int | None, stream: Any) -> None:
+        src = self.source
+        if isinstance(src, torch.Tensor):
+            src = src.detach()
+            on_cuda = src.device.type == "cuda"
+            if src.numel() == 0:
+                self.data = to_numpy(torch.empty(src.shape, dtype=src.dtype))
+            else:
+                self._pool = pool(pinned=on_cuda, budget=budget)
+                self._buffer = self._pool.acquire(src.numel() * src.element_size())
+                dst = self._buffer.view(src.dtype).view(src.shape)
+                if on_cuda:
+                    with torch.cuda.stream(stream):
+                        dst.copy_(src, non_blocking=True)
+                        self._event = torch.cuda.Event()
+                        self._event.record(stream)
+                    # The source must outlive the copy even if the caller drops it.
+                    src.record_stream(stream)
+                else:
+                    dst.copy_(src)
+                self.data = to_numpy(dst)
+        else:
+            src = np.asarray(src)
+            if src.nbytes == 0:
+                self.data = np.empty(src.shape, src.dtype)
+            else:
+                self._pool = pool(pinned=False, budget=budget)
+                self._buffer = self._pool.acquire(src.nbytes)
+                dst = self._buffer.numpy().view(src.dtype).reshape(src.shape)
+                np.copyto(dst, src, casting="no")
+                self.data = dst
+
+    def wait(self) -> np.ndarray:
+        """The staged bytes, once the copy (host or device) is complete."""
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        assert self.data is not None
+        return self.data
+
+    def release(self) -> None:
+        """Give the buffer back for reuse; safe to call twice, from any thread."""
+        with self._release_lock:
+            buf, self._buffer = self._buffer, None
+            self.data = None
+        if buf is not None and self._pool is not None:
+            self._pool.release(buf)
+
+
+def side_stream(items: list[Staged]) -> Any:
+    """A CUDA stream for the device-to-host copies, ordered after the caller's pending kernels.
+
+    Made on the caller's thread: the current device and stream are per thread in CUDA.
+    """
+    devices = {s.source.device for s in items if isinstance(s.source, torch.Tensor) and s.source.device.type == "cuda"}
+    if not devices:
+        return None
+    if len(devices) > 1:
+        raise ValueError(
+            f"the state holds tensors on several CUDA devices {sorted(map(str, devices))}; save each device's state separately"
+        )
+    (device,) = devices
+    stream = torch.cuda.Stream(device=device)
+    # The side stream must not read a tensor before the kernels that produce it have run.
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
+def stage_all(items: list[Staged], budget: int | None, stream: Any) -> None:
+    """Copy every item, in order; CUDA copies are queued on ``stream``."""
+    try:
+        for s in items:
+            s.copy(budget, stream)
+    except BaseException as err:
+        for s in items:
+            s.fail(err)
+        raise
