@@ -49,7 +49,7 @@ def to_delete(steps: list[int], keep_last: int | None, keep_every: int | None) -
     steps = sorted(steps)
     if not steps:
         return []
-    keep = set(steps if keep_last is None else steps[len(steps) - keep_last :])
+    keep = set(steps if keep_last is None else steps[max(0, len(steps) - keep_last) :])
     if keep_every is not None:
         keep.update(s for s in steps if s % keep_every == 0)
     keep.add(steps[-1])
