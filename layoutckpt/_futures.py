@@ -38,6 +38,7 @@ class SaveFuture(_Future[Any]):
         self._staging_error: BaseException | None = None
         self._wait_staged_hook: Callable[[], None] | None = None
         self._observed = False
+        self._blocked_seconds = 0.0
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "staged" if self._staged.is_set() else "staging"

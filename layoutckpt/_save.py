@@ -280,15 +280,15 @@ def _start(
         for s in items:
             s.view()
         fut._set_staged()
-        _write_and_commit(job, items, writer_comm, fut, [])
+        _write_and_commit(job, items, writer_comm, fut, None)
         return fut
     stream = side_stream(items)
     if stream is not None:
         fut._wait_staged_hook = stream.synchronize
-    blocked = [0.0]  # set before the call returns, read once the commit is done
+    returned = threading.Event()  # the result reports how long this call blocked
     swap_in_flight(fut)
     threading.Thread(
-        target=_write_and_commit, args=(job, items, writer_comm, fut, blocked), name="layoutckpt-save"
+        target=_write_and_commit, args=(job, items, writer_comm, fut, returned), name="layoutckpt-save"
     ).start()
 
     def stage() -> None:
@@ -299,12 +299,19 @@ def _start(
             raise
         fut._set_staged()
 
-    if lazy:
-        threading.Thread(target=_quietly(stage), name="layoutckpt-stage", daemon=True).start()
-    else:
-        stage()
-        fut.wait_staged()
-    blocked[0] = time.perf_counter() - t0
+    try:
+        if lazy:
+            threading.Thread(target=_quietly(stage), name="layoutckpt-stage", daemon=True).start()
+        else:
+            try:
+                stage()
+                fut.wait_staged()
+            except BaseException:
+                fut._observed = True  # raised here; the next save must not raise it again
+                raise
+    finally:
+        fut._blocked_seconds = time.perf_counter() - t0
+        returned.set()
     return fut
 
 
@@ -336,7 +343,7 @@ def _check_destination(path: str | os.PathLike[str], final: Path, overwrite: boo
 
 
 def _write_and_commit(
-    job: _Job, items: list[Staged], comm: Comm | StoreComm, fut: SaveFuture, blocked: list[float]
+    job: _Job, items: list[Staged], comm: Comm | StoreComm, fut: SaveFuture, returned: threading.Event | None
 ) -> None:
     """Write this rank's boxes as they are staged, agree on success, commit; settle ``fut``."""
     written = 0
@@ -351,8 +358,10 @@ def _write_and_commit(
         fut._finish(error=err)
         return
     seconds = time.perf_counter() - job.started
-    # ``blocked`` is empty for a synchronous save: the caller waited for all of it.
-    held, staged = (blocked[0], written) if blocked else (seconds, 0)
+    held, staged = seconds, 0  # a synchronous save held the caller throughout and copied nothing
+    if returned is not None:
+        returned.wait()
+        held, staged = fut._blocked_seconds, written
     fut._finish(SaveResult(os.fspath(job.final), written, len(job.mine), seconds, held, staged))
 
 
