@@ -170,9 +170,16 @@ class CheckpointMeta:
     format_version: int = FORMAT_VERSION
     # The number of per-rank JSON documents (one per saving rank), or None when there are none.
     rank_state_world: int | None = None
+    # Every chunk was stored, all-zero ones included, so a missing one is damage. Checkpoints
+    # of the first releases omitted all-zero chunks and lack the member.
+    all_chunks_stored: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        optional = {} if self.rank_state_world is None else {"rank_state_world": self.rank_state_world}
+        optional: dict[str, Any] = {}
+        if self.rank_state_world is not None:
+            optional["rank_state_world"] = self.rank_state_world
+        if self.all_chunks_stored:
+            optional["all_chunks_stored"] = True
         return {
             "format_version": self.format_version,
             "library_version": self.library_version,
@@ -225,6 +232,7 @@ class CheckpointMeta:
                 library_version=str(d.get("library_version", "")),
                 format_version=version,
                 rank_state_world=rank_state_world,
+                all_chunks_stored=d.get("all_chunks_stored") is True,
             )
         except FormatError:
             raise

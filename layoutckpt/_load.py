@@ -123,7 +123,8 @@ def load_async(
             _check_template(name, template[name], a, _plan.box_shape(boxes[name]), spec)
 
     ctx = _store.context(concurrency)
-    opened = {n: _store.open_array(ctx, root, meta.arrays[n]) for n in boxes}
+    complete = meta.all_chunks_stored
+    opened = {n: _store.open_array(ctx, root, meta.arrays[n], all_chunks_stored=complete) for n in boxes}
     reads = {}
     for name, box in boxes.items():
         store = opened[name].result()

@@ -119,7 +119,10 @@ class Reader:
         """The array as a TensorStore, for reads this API does not cover."""
         store = self._stores.get(name)
         if store is None:
-            store = _store.open_array(self._ctx, self._root, self._array(name)).result()
+            meta = self._array(name)
+            store = _store.open_array(
+                self._ctx, self._root, meta, all_chunks_stored=self.meta.all_chunks_stored
+            ).result()
             self._stores[name] = store
         return store
 

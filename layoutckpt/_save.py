@@ -269,6 +269,7 @@ def _start(
         user_metadata=dict(metadata or {}),
         library_version=__version__,
         rank_state_world=comm.world if rank_doc is not None else None,
+        all_chunks_stored=True,
     )
     mine = _plan.writes_of(plan_arrays, mesh, comm.rank)
     job = _Job(tmp, final, meta, arrays, metas, mine, rank_doc, overwrite, concurrency, t0)
@@ -367,15 +368,15 @@ def _write_and_commit(
 
 def _write(job: _Job, items: list[Staged], rank: int) -> int:
     """Issue every write as soon as its shard is staged; a written buffer goes back at once."""
-    if rank == 0:
-        _write_skeleton(job.tmp, job.meta)
-    if job.rank_doc is not None:
-        _store.write_file(job.tmp / _rankstate.file_name(rank), job.rank_doc)
-    ctx = _store.context(job.concurrency)
-    opened = {i: _store.open_array(ctx, job.tmp, job.metas[job.arrays[i].name]) for i, _ in job.mine}
     pending = []
     written = 0
     try:
+        if rank == 0:
+            _write_skeleton(job.tmp, job.meta)
+        if job.rank_doc is not None:
+            _store.write_file(job.tmp / _rankstate.file_name(rank), job.rank_doc)
+        ctx = _store.context(job.concurrency)
+        opened = {i: _store.open_array(ctx, job.tmp, job.metas[job.arrays[i].name]) for i, _ in job.mine}
         for (i, box), item in zip(job.mine, items):
             store = opened[i].result()
             data = item.wait()

@@ -110,6 +110,7 @@ def pool(*, pinned: bool, budget: int | None) -> HostBuffers:
             p = _POOLS[pinned] = HostBuffers(budget, pinned=pinned)
         with p._cond:
             p.budget = budget
+            p._evict_until(0)  # a lowered budget also caps the buffers kept from earlier saves
             p._cond.notify_all()
         return p
 
@@ -128,7 +129,13 @@ class Staged:
         self._release_lock = threading.Lock()
 
     def copy(self, budget: int | None, stream: Any = None) -> None:
-        """Copy ``source`` into a pooled buffer (on ``stream`` for CUDA tensors)."""
+        """Copy ``source`` into a pooled buffer (on ``stream`` for CUDA tensors).
+
+        Skipped if the writer already gave up on this item; a buffer taken meanwhile goes back.
+        """
+        if self._ready.is_set():
+            self.source = None
+            return
         try:
             self._copy(budget, stream)
         except BaseException as err:
@@ -136,7 +143,11 @@ class Staged:
             raise
         finally:
             self.source = None  # do not keep the caller's tensor alive
-            self._ready.set()
+            with self._release_lock:
+                cancelled = self._ready.is_set()
+                self._ready.set()
+            if cancelled:
+                self.release()
 
     def view(self) -> None:
         """No copy: the caller is blocked until the write ends (synchronous ``save``)."""
@@ -149,10 +160,11 @@ class Staged:
         self._ready.set()
 
     def fail(self, err: BaseException) -> None:
-        """Staging stopped before this item: whoever waits for it gets ``err``."""
-        if not self._ready.is_set():
-            self._error = err
-            self._ready.set()
+        """The save gave up before this item was staged: whoever waits for it gets ``err``."""
+        with self._release_lock:
+            if not self._ready.is_set():
+                self._error = err
+                self._ready.set()
 
     def _copy(self, budget: int | None, stream: Any) -> None:
         src = self.source

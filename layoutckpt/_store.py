@@ -35,7 +35,7 @@ def context(concurrency: int = DEFAULT_CONCURRENCY) -> ts.Context:
     )
 
 
-def array_spec(root: Path, meta: ArrayMeta) -> dict[str, Any]:
+def array_spec(root: Path, meta: ArrayMeta, *, all_chunks_stored: bool = True) -> dict[str, Any]:
     """Open with ``assume_metadata``: the root document already says everything, so opening an
     array costs no read of its own ``zarr.json``."""
     metadata = {k: v for k, v in meta.zarr_metadata().items() if k not in ("zarr_format", "node_type", "attributes")}
@@ -46,24 +46,35 @@ def array_spec(root: Path, meta: ArrayMeta) -> dict[str, Any]:
     }
     # Writers too: rank 0 writes each zarr.json as a plain file, so no rank races to create it.
     spec.update(open=True, assume_metadata=True)
+    # Writers store every box, zeros included. In checkpoints that say so, a missing shard or
+    # inner chunk is damage (a deleted file), not a block of zeros, and reading it raises
+    # instead of inventing data; older ones omitted all-zero chunks, which then read as zeros.
+    spec.update(store_data_equal_to_fill_value=True, fill_missing_data_reads=not all_chunks_stored)
     return spec
 
 
-def open_array(ctx: ts.Context, root: Path, meta: ArrayMeta) -> ts.Future[ts.TensorStore]:
-    return ts.open(array_spec(root, meta), context=ctx)
+def open_array(
+    ctx: ts.Context, root: Path, meta: ArrayMeta, *, all_chunks_stored: bool = True
+) -> ts.Future[ts.TensorStore]:
+    return ts.open(array_spec(root, meta, all_chunks_stored=all_chunks_stored), context=ctx)
 
 
 def read_result(future: Any, name: str, where: str) -> Any:
-    """A TensorStore read's result; a checksum failure becomes an ``IntegrityError`` naming the array."""
+    """A TensorStore read's result; damaged or missing stored bytes become an ``IntegrityError``
+    naming the array."""
     try:
         return future.result()
     except ValueError as err:
-        if "DATA_LOSS" not in str(err):
+        text = str(err)
+        if text.startswith("DATA_LOSS"):
+            problem = "its stored bytes fail their integrity check (crc32c or shard index)"
+        elif text.startswith("NOT_FOUND"):
+            problem = "a chunk it was saved with is missing from storage"
+        else:
             raise
         raise IntegrityError(
-            f"array {name!r} of checkpoint {where!r} is damaged on storage (a crc32c checksum does not "
-            f"match: {err}); the other arrays are unaffected, restore this one from another checkpoint "
-            "or replica"
+            f"array {name!r} of checkpoint {where!r} is damaged: {problem} ({text}); the other "
+            "arrays are unaffected; restore this one from another checkpoint or replica"
         ) from None
 
 
