@@ -281,15 +281,19 @@ def _start(
         for s in items:
             s.view()
         fut._set_staged()
-        _write_and_commit(job, items, writer_comm, fut, None)
+        _write_and_commit(job, items, writer_comm, fut, None, None)
         return fut
     stream = side_stream(items)
     if stream is not None:
         fut._wait_staged_hook = stream.synchronize
     returned = threading.Event()  # the result reports how long this call blocked
+    # Within the budget the writer starts once everything is staged: writing meanwhile would
+    # only compete with the copy for the GIL and the cores. Over it, writes must free buffers.
+    waves = budget is not None and sum(s.nbytes for s in items) > budget
+    gate = None if waves else fut._staged
     swap_in_flight(fut)
     threading.Thread(
-        target=_write_and_commit, args=(job, items, writer_comm, fut, returned), name="layoutckpt-save"
+        target=_write_and_commit, args=(job, items, writer_comm, fut, returned, gate), name="layoutckpt-save"
     ).start()
 
     def stage() -> None:
@@ -344,13 +348,21 @@ def _check_destination(path: str | os.PathLike[str], final: Path, overwrite: boo
 
 
 def _write_and_commit(
-    job: _Job, items: list[Staged], comm: Comm | StoreComm, fut: SaveFuture, returned: threading.Event | None
+    job: _Job,
+    items: list[Staged],
+    comm: Comm | StoreComm,
+    fut: SaveFuture,
+    returned: threading.Event | None,
+    gate: threading.Event | None,
 ) -> None:
-    """Write this rank's boxes as they are staged, agree on success, commit; settle ``fut``."""
+    """Write this rank's boxes (once ``gate`` opens, or as they are staged), agree on success,
+    commit; settle ``fut``."""
     written = 0
     failure = b""
     try:
-        written = _write(job, items, comm.rank)
+        if gate is not None:
+            gate.wait()
+        written = _write(job, items, comm.rank, comm.world)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         failure = f"{type(err).__name__}: {err}".encode()
     try:
@@ -366,15 +378,12 @@ def _write_and_commit(
     fut._finish(SaveResult(os.fspath(job.final), written, len(job.mine), seconds, held, staged))
 
 
-def _write(job: _Job, items: list[Staged], rank: int) -> int:
-    """Issue every write as soon as its shard is staged; a written buffer goes back at once."""
+def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
+    """Issue every write as soon as its shard is staged, write this rank's share of the Zarr
+    documents meanwhile, then make it all durable; a written buffer goes back at once."""
     pending = []
     written = 0
     try:
-        if rank == 0:
-            _write_skeleton(job.tmp, job.meta)
-        if job.rank_doc is not None:
-            _store.write_file(job.tmp / _rankstate.file_name(rank), job.rank_doc)
         ctx = _store.context(job.concurrency)
         opened = {i: _store.open_array(ctx, job.tmp, job.metas[job.arrays[i].name]) for i, _ in job.mine}
         for (i, box), item in zip(job.mine, items):
@@ -386,8 +395,13 @@ def _write(job: _Job, items: list[Staged], rank: int) -> int:
             w.commit.add_done_callback(lambda _, item=item: item.release())
             pending.append(w)
             written += data.nbytes
+        _write_skeleton(job.tmp, job.meta, rank, world)
+        if job.rank_doc is not None:
+            _store.write_file(job.tmp / _rankstate.file_name(rank), job.rank_doc, sync=False)
         for w in pending:
             w.result()
+        # Durable before this rank reports success: the marker may follow at once.
+        _store.fsync_tree(job.tmp)
     finally:
         for w in pending:
             try:
@@ -420,21 +434,27 @@ def _check_user_metadata(metadata: Mapping[str, Any] | None) -> None:
             raise TypeError(f"metadata key {key!r} must be a str")
 
 
-def _write_skeleton(tmp: Path, meta: CheckpointMeta) -> None:
-    """The Zarr metadata of every group and array, so plain ``zarr`` can walk the hierarchy."""
+def _write_skeleton(tmp: Path, meta: CheckpointMeta, rank: int, world: int) -> None:
+    """This rank's share of the Zarr documents of every group and array, so plain ``zarr`` can
+    walk the hierarchy. Shared round-robin: a model has hundreds of them, and one rank writing
+    all would hold up the commit."""
     import json
 
-    # Other ranks' TensorStore writes may already have created it.
+    # Other ranks' writes may already have created it.
     tmp.mkdir(parents=True, exist_ok=True)
     groups: set[str] = set()
+    docs: list[tuple[str, bytes | None]] = []
     for a in meta.arrays.values():
         parts = a.path.split("/")
         groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        _store.write_file(tmp / a.path / "zarr.json", json.dumps(a.zarr_metadata()).encode())
+        docs.append((a.path, None))
     if meta.rank_state_world is not None:
         groups.add(_rankstate.DIR)
-    for g in groups:
-        _store.write_file(tmp / g / "zarr.json", group_document())
+    docs.extend((g, group_document()) for g in sorted(groups))
+    arrays = {a.path: a for a in meta.arrays.values()}
+    for path, doc in docs[rank::world]:
+        data = doc if doc is not None else json.dumps(arrays[path].zarr_metadata()).encode()
+        _store.write_file(tmp / path / "zarr.json", data, sync=False)
 
 
 def _commit(

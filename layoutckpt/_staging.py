@@ -128,27 +128,6 @@ class Staged:
         self._ready = threading.Event()
         self._release_lock = threading.Lock()
 
-    def copy(self, budget: int | None, stream: Any = None) -> None:
-        """Copy ``source`` into a pooled buffer (on ``stream`` for CUDA tensors).
-
-        Skipped if the writer already gave up on this item; a buffer taken meanwhile goes back.
-        """
-        if self._ready.is_set():
-            self.source = None
-            return
-        try:
-            self._copy(budget, stream)
-        except BaseException as err:
-            self._error = err
-            raise
-        finally:
-            self.source = None  # do not keep the caller's tensor alive
-            with self._release_lock:
-                cancelled = self._ready.is_set()
-                self._ready.set()
-            if cancelled:
-                self.release()
-
     def view(self) -> None:
         """No copy: the caller is blocked until the write ends (synchronous ``save``)."""
         src = self.source
@@ -166,37 +145,51 @@ class Staged:
                 self._error = err
                 self._ready.set()
 
-    def _copy(self, budget: int | None, stream: Any) -> None:
+    @property
+    def nbytes(self) -> int:
+        src = self.source
+        if isinstance(src, torch.Tensor):
+            return src.numel() * src.element_size()
+        return np.asarray(src).nbytes if src is not None else 0
+
+    def _take(self, budget: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Take a buffer; a (destination, source) pair for torch sources, whose copy the caller
+        batches. NumPy sources and empty arrays are done here."""
         src = self.source
         if isinstance(src, torch.Tensor):
             src = src.detach()
-            on_cuda = src.device.type == "cuda"
             if src.numel() == 0:
                 self.data = to_numpy(torch.empty(src.shape, dtype=src.dtype))
-            else:
-                self._pool = pool(pinned=on_cuda, budget=budget)
-                self._buffer = self._pool.acquire(src.numel() * src.element_size())
-                dst = self._buffer.view(src.dtype).view(src.shape)
-                if on_cuda:
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src, non_blocking=True)
-                        self._event = torch.cuda.Event()
-                        self._event.record(stream)
-                    # The source must outlive the copy even if the caller drops it.
-                    src.record_stream(stream)
-                else:
-                    dst.copy_(src)
-                self.data = to_numpy(dst)
-        else:
-            src = np.asarray(src)
-            if src.nbytes == 0:
-                self.data = np.empty(src.shape, src.dtype)
-            else:
-                self._pool = pool(pinned=False, budget=budget)
-                self._buffer = self._pool.acquire(src.nbytes)
-                dst = self._buffer.numpy().view(src.dtype).reshape(src.shape)
-                np.copyto(dst, src, casting="no")
-                self.data = dst
+                return None
+            self._pool = pool(pinned=src.device.type == "cuda", budget=budget)
+            self._buffer = self._pool.acquire(src.numel() * src.element_size())
+            dst = self._buffer.view(src.dtype).view(src.shape)
+            self.data = to_numpy(dst)
+            return dst, src
+        src = np.asarray(src)
+        if src.nbytes == 0:
+            self.data = np.empty(src.shape, src.dtype)
+            return None
+        self._pool = pool(pinned=False, budget=budget)
+        self._buffer = self._pool.acquire(src.nbytes)
+        dst = self._buffer.numpy().view(src.dtype).reshape(src.shape)
+        np.copyto(dst, src, casting="no")
+        self.data = dst
+        return None
+
+    def _mark_ready(self, event: Any, error: BaseException | None = None) -> None:
+        """The copy is queued (CUDA: ``event`` says when it is done) or finished.
+
+        If the writer gave up on this item meanwhile, the buffer goes back at once.
+        """
+        self.source = None  # do not keep the caller's tensor alive
+        with self._release_lock:
+            cancelled = self._ready.is_set()
+            self._event = event
+            self._error = error
+            self._ready.set()
+        if cancelled:
+            self.release()
 
     def wait(self) -> np.ndarray:
         """The staged bytes, once the copy (host or device) is complete."""
@@ -238,11 +231,39 @@ def side_stream(items: list[Staged]) -> Any:
 
 
 def stage_all(items: list[Staged], budget: int | None, stream: Any) -> None:
-    """Copy every item, in order; CUDA copies are queued on ``stream``."""
+    """Copy every item; CUDA copies are queued on ``stream``.
+
+    Within the budget, every buffer is taken first and all torch copies run as one batched
+    ``_foreach_copy_``: one call releases the GIL once, where one call per shard would win it
+    back from the writer thread hundreds of times. Over the budget, items go one at a time so
+    the writer can return buffers in between (back-pressure).
+    """
     try:
-        for s in items:
-            s.copy(budget, stream)
+        if budget is None or sum(s.nbytes for s in items) <= budget:
+            _copy_batch(items, budget, stream)
+        else:
+            for s in items:
+                _copy_batch([s], budget, stream)
     except BaseException as err:
         for s in items:
             s.fail(err)
         raise
+
+
+def _copy_batch(items: list[Staged], budget: int | None, stream: Any) -> None:
+    todo = [s for s in items if not s._ready.is_set()]  # the writer may have given up on some
+    pairs = [p for p in (s._take(budget) for s in todo) if p is not None]
+    event = None
+    host = [p for p in pairs if p[1].device.type == "cpu"]
+    device = [p for p in pairs if p[1].device.type != "cpu"]
+    if host:
+        torch._foreach_copy_([d for d, _ in host], [s for _, s in host])
+    if device:
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_([d for d, _ in device], [s for _, s in device], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        for _, src in device:
+            src.record_stream(stream)  # the source must outlive the queued copy
+    for s in todo:
+        s._mark_ready(event)
