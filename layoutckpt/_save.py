@@ -254,11 +254,12 @@ def _start(
                 )
     except InconsistentShardsError as err:
         error = err
-    _agree(comm, error, [])
+    # Rank 0's random token names the temporary directory; it rides on this collective.
+    (token,), _ = _agree(comm, error, [_store.new_token() if comm.rank == 0 else 0])
 
-    # 3. The temporary directory's name comes from rank 0; it also keys the commit's store
-    # exchanges, so they never mix with another save's.
-    tmp = Path(comm.broadcast_bytes(str(_store.temp_dir_for(final)).encode() if comm.rank == 0 else None).decode())
+    # 3. The temporary directory's name also keys the commit's store exchanges, so they never
+    # mix with another save's.
+    tmp = _store.temp_dir_for(final, token)
     writer_comm = comm if not copy else background_comm(comm, tmp.name)
     meta = CheckpointMeta(
         arrays=metas,

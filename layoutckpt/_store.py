@@ -156,8 +156,13 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def temp_dir_for(final: Path) -> Path:
-    return final.parent / f".{final.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+def new_token() -> int:
+    """48 random bits (12 hex digits): small enough to travel in an int64 collective."""
+    return uuid.uuid4().int & ((1 << 48) - 1)
+
+
+def temp_dir_for(final: Path, token: int) -> Path:
+    return final.parent / f".{final.name}{TMP_MARK}{token:012x}"
 
 
 def commit_dir(tmp: Path, final: Path, *, overwrite: bool) -> None:
