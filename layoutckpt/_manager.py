@@ -91,18 +91,25 @@ class CheckpointManager:
 
         # Rank 0 takes the lock and cleans up; every rank learns whether it could.
         status = b""
+        error: Exception | None = None
         if self._comm.rank == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self._lock_fd = _take_lock(self.root)
                 _remove_leftovers(self.root)
                 self._retention = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="layoutckpt-retain")
-            except Exception as err:  # noqa: BLE001 - every rank raises it below
-                status = f"{type(err).__name__}: {err}".encode()
+            except Exception as err:  # noqa: BLE001 - every rank raises below
+                error = err
+                kind = "locked" if isinstance(err, ManagerLockedError) else "failed"
+                status = f"{kind}:{type(err).__name__}: {err}".encode()
         status = self._comm.broadcast_bytes(status if self._comm.rank == 0 else None)
         if status:
             self._release_lock()
-            raise ManagerLockedError(f"cannot manage {os.fspath(self.root)!r}: {status.decode()}")
+            if error is not None:
+                raise error
+            kind, _, detail = status.decode().partition(":")
+            message = f"cannot manage {os.fspath(self.root)!r}: rank 0 raised {detail}"
+            raise ManagerLockedError(message) if kind == "locked" else RuntimeError(message)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({os.fspath(self.root)!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -183,7 +190,11 @@ class CheckpointManager:
             _retire_dir(self.path(step))
 
     def wait(self) -> SaveResult | None:
-        """Wait for the last save (raising its failure) and for retention; the save's result."""
+        """Wait for the last save (raising its failure) and for retention; the save's result.
+
+        Retention runs on rank 0 only: on other ranks, ``steps()`` may list a step that rank 0
+        is retiring until a barrier after ``wait()`` on every rank.
+        """
         result = self._last.result() if self._last is not None else None
         for f in self._retiring:
             f.result()
@@ -202,7 +213,11 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            # Unlock explicitly: a forked child (a data loader worker) shares the descriptor,
+            # and a plain close would leave the root locked until that child exits.
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            _LOCK_FDS.discard(self._lock_fd)
             self._lock_fd = None
 
     # Loading ------------------------------------------------------------------------------------
@@ -231,8 +246,24 @@ class CheckpointManager:
         return Reader(self._resolve(step))
 
 
+_LOCK_FDS: set[int] = set()
+
+
+def _close_locks_in_child() -> None:
+    """A forked child must not keep the root locked after its parent's manager is gone."""
+    for fd in _LOCK_FDS:
+        try:
+            os.close(fd)  # the child's copy only: the parent's lock stays
+        except OSError:
+            pass
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_locks_in_child)
+
+
 def _take_lock(root: Path) -> int:
-    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -244,6 +275,7 @@ def _take_lock(root: Path) -> int:
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n".encode(), 0)
+    _LOCK_FDS.add(fd)
     return fd
 
 
