@@ -6,6 +6,7 @@ futures, all in flight together) -> agree on success -> commit (root metadata la
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import time
@@ -453,9 +454,15 @@ def _write_skeleton(tmp: Path, meta: CheckpointMeta, rank: int, world: int) -> N
         groups.add(_rankstate.DIR)
     docs.extend((g, group_document()) for g in sorted(groups))
     arrays = {a.path: a for a in meta.arrays.values()}
-    for path, doc in docs[rank::world]:
-        data = doc if doc is not None else json.dumps(arrays[path].zarr_metadata()).encode()
-        _store.write_file(tmp / path / "zarr.json", data, sync=False)
+    mine = [
+        (tmp / path / "zarr.json", doc or json.dumps(arrays[path].zarr_metadata()).encode())
+        for path, doc in docs[rank::world]
+    ]
+    # Creating a file costs milliseconds of metadata latency while the shards stream out, so
+    # many are created at once.
+    with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="layoutckpt-docs") as pool:
+        for f in [pool.submit(_store.write_file, path, data, sync=False) for path, data in mine]:
+            f.result()
 
 
 def _commit(
