@@ -175,16 +175,12 @@ def wave_state(rank: int) -> dict:
     return {f"layer{i}": local_shard(wave_full(i), SPLIT_OVER_ALL, AXES, rank).clone() for i in range(8)}
 
 
-def _save_within_budget(rank, group, path):
-    pool = _staging.pool(pinned=False, budget=None)
-    pool.clear()  # only this save's buffers are measured
-    state = wave_state(rank)
-    local = sum(t.nbytes for t in state.values())
-    budget = local // 4
+def _save_recording_pool_size(pool, path, state, layout, budget, group=None):
+    """Save with ``budget``; the pool's size right after every acquire (it only grows there, so
+    this includes the peak)."""
     held_after_acquire = []
     real_acquire = pool.acquire
 
-    # The pool only grows in acquire, so its size right after each acquire includes the peak.
     def acquire(nbytes):
         buf = real_acquire(nbytes)
         held_after_acquire.append(pool.held_bytes)
@@ -192,9 +188,19 @@ def _save_within_budget(rank, group, path):
 
     pool.acquire = acquire
     try:
-        result = lc.save_async(path, state, WAVE_LAYOUT, group=group, host_memory_budget=budget).result()
+        result = lc.save_async(path, state, layout, group=group, host_memory_budget=budget).result()
     finally:
         del pool.acquire
+    return result, held_after_acquire
+
+
+def _save_within_budget(rank, group, path):
+    pool = _staging.pool(pinned=False, budget=None)
+    pool.clear()  # only this save's buffers are measured
+    state = wave_state(rank)
+    local = sum(t.nbytes for t in state.values())
+    budget = local // 4
+    result, held_after_acquire = _save_recording_pool_size(pool, path, state, WAVE_LAYOUT, budget, group)
     assert pool is _staging.pool(pinned=False, budget=budget)
     return local, budget, held_after_acquire, pool.held_bytes, result.staged_bytes
 
@@ -223,19 +229,11 @@ def test_a_budget_also_caps_buffers_kept_from_earlier_saves(tmp_path):
         pool.release(buf)
     assert pool.held_bytes == 8 * 1024
     budget = 2 * 1024
-    held_after_acquire = []
-    real_acquire = pool.acquire
-
-    def acquire(nbytes):
-        buf = real_acquire(nbytes)
-        held_after_acquire.append(pool.held_bytes)
-        return buf
-
-    pool.acquire = acquire
     try:
-        result = lc.save_async(tmp_path / "ck", state, lc.Layout.replicated(), host_memory_budget=budget).result()
+        result, held_after_acquire = _save_recording_pool_size(
+            pool, tmp_path / "ck", state, lc.Layout.replicated(), budget
+        )
     finally:
-        del pool.acquire
         _forget_staging_pools()
     assert result.staged_bytes == 8 * 1024
     out = lc.load(tmp_path / "ck")
