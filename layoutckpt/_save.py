@@ -1,7 +1,11 @@
-"""``save``: every rank writes the boxes it was assigned, then one rank commits.
+"""``save`` and ``save_async``: every rank writes the boxes it was assigned, then one rank commits.
 
-state -> flatten -> check (local, then agreed across ranks) -> plan (pure) -> write (TensorStore
-futures, all in flight together) -> agree on success -> commit (root metadata last, rename).
+On the caller's thread: state -> flatten -> check (local, then agreed across ranks) -> plan
+(pure) -> stage (``save_async``: copy the shards this rank writes into reused host buffers).
+In the background: write (TensorStore futures, all in flight together; this rank's share of the
+Zarr documents) -> one sync -> agree on success (over the rendezvous store) -> commit (root
+metadata last, rename). ``save`` runs the same steps on the caller's thread, from the live
+tensors.
 """
 
 from __future__ import annotations
