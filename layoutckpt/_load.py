@@ -204,7 +204,6 @@ def load_rank_state(
     root = _store.Path(path)
     saved = meta.rank_state_world
     if saved == comm.world and redistribute is None:
-        name = _rankstate.file_name(comm.rank)
-        return _rankstate.parse((root / name).read_bytes(), f"{os.fspath(path)}/{name}")
-    states = _rankstate.read_all(root, saved, lambda name: (root / name).read_bytes())
+        return _rankstate.read_one(root, comm.rank)
+    states = _rankstate.read_all(root, saved)
     return _rankstate.choose(states, comm.rank, comm.world, redistribute, os.fspath(path))

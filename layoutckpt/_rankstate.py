@@ -15,6 +15,7 @@ import base64
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -131,6 +132,10 @@ def choose(states: Sequence[Any], rank: int, world: int, redistribute: Redistrib
     return states[rank]
 
 
-def read_all(root: os.PathLike[str] | str, world: int, read: Callable[[str], bytes]) -> list[Any]:
-    where = os.fspath(root)
-    return [parse(read(file_name(r)), f"{where}/{file_name(r)}") for r in range(world)]
+def read_one(root: Path, rank: int) -> Any:
+    name = file_name(rank)
+    return parse((root / name).read_bytes(), f"{os.fspath(root)}/{name}")
+
+
+def read_all(root: Path, world: int) -> list[Any]:
+    return [read_one(root, r) for r in range(world)]

@@ -80,7 +80,7 @@ class Reader:
         world = self.meta.rank_state_world
         if world is None:
             return []
-        return _rankstate.read_all(self._root, world, lambda name: (self._root / name).read_bytes())
+        return _rankstate.read_all(self._root, world)
 
     def keys(self) -> list[str]:
         """Global names of the stored arrays, in tree order."""
