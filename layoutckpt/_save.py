@@ -484,7 +484,7 @@ def _commit(
     status = b""
     if comm.rank == 0:
         try:
-            _store.fsync_tree(tmp)
+            # Every rank made its part durable before it reported success (in ``_write``).
             _store.write_file(tmp / "zarr.json", root_document(meta))
             _store.commit_dir(tmp, final, overwrite=overwrite)
         except Exception as err:  # noqa: BLE001 - broadcast to every rank below
