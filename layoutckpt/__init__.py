@@ -31,6 +31,9 @@ from ._save import SaveResult as SaveResult
 from ._save import save as save
 from ._save import save_async as save_async
 from ._spec import Mesh as Mesh
+from ._training import get_state as get_state
+from ._training import load_state as load_state
+from ._training import set_state as set_state
 from ._spec import P as P
 from ._version import __version__ as __version__
 from ._zarr_dtypes import register as _register_zarr_dtypes

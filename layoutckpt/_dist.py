@@ -27,6 +27,15 @@ class Comm:
     group: Any = None
 
     @property
+    def global_ranks(self) -> list[int]:
+        """The global rank of each rank of the group, in group order."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return [0]
+        if self.group is None:
+            return list(range(self.world))
+        return list(dist.get_process_group_ranks(self.group))
+
+    @property
     def device(self) -> torch.device:
         backend = dist.get_backend(self.group)
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -61,6 +61,8 @@ class ArrayMeta:
     spec: P
     kind: str = "torch"
     compression: str | None = None
+    # The mesh ``spec`` names, where it is not the checkpoint's (a DTensor on its own mesh).
+    mesh: Mesh | None = None
 
     @property
     def itemsize(self) -> int:
@@ -78,6 +80,7 @@ class ArrayMeta:
             "spec": self.spec.to_json(),
             "kind": self.kind,
             "compression": self.compression,
+            **({"mesh": self.mesh.to_json()} if self.mesh is not None else {}),
         }
 
     @classmethod
@@ -94,6 +97,7 @@ class ArrayMeta:
                 spec=P.from_json(d["spec"]),
                 kind=str(d.get("kind", "torch")),
                 compression=d.get("compression"),
+                mesh=Mesh.from_json(d["mesh"]) if d.get("mesh") is not None else None,
             )
         except FormatError:
             raise

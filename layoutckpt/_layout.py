@@ -69,10 +69,17 @@ class Layout:
         """Every array whole on every rank (the layout of a single process)."""
         return cls(mesh if mesh is not None else Mesh({}), [(r".*", P())])
 
-    def spec_for(self, name: str) -> P:
-        for regex, (_, spec) in zip(self._compiled, self.rules):
+    def rule_for(self, name: str) -> tuple[str, P] | None:
+        """The first rule (pattern, spec) whose pattern matches ``name``, or None."""
+        for regex, rule in zip(self._compiled, self.rules):
             if regex.search(name):
-                return spec
+                return rule
+        return None
+
+    def spec_for(self, name: str) -> P:
+        rule = self.rule_for(name)
+        if rule is not None:
+            return rule[1]
         raise LayoutError(
             f"array {name!r}: no layout rule matches it (patterns: {[p for p, _ in self.rules]}); "
             "add a rule for it, or a final catch-all rule such as (r'.*', P())"

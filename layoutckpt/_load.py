@@ -16,12 +16,13 @@ import numpy as np
 
 from . import _plan, _rankstate, _store
 from ._dist import check_mesh, comm_for
+from ._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from ._dtypes import numpy_dtype
 from ._errors import TemplateMismatchError
 from ._format import ArrayMeta
 from ._futures import LoadFuture
 from ._layout import Layout
-from ._spec import Mesh, check_spec
+from ._spec import P, check_spec
 from ._tree import decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 
 Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
@@ -49,6 +50,7 @@ def load(
     like: Any = None,
     select: Select = None,
     strict: bool = True,
+    inplace: bool = False,
     group: Any = None,
     concurrency: int = _store.DEFAULT_CONCURRENCY,
 ) -> Any:
@@ -57,9 +59,12 @@ def load(
     ``layout`` defaults to every array whole on every rank. With ``like=`` the result takes the
     template's tree, and each template leaf must match the shape and dtype this rank would load;
     with ``strict`` (default) stored arrays the template lacks are an error, not a silent drop.
-    A damaged chunk raises ``IntegrityError`` naming its array.
+    A ``DTensor`` in the template is loaded as a DTensor with its mesh and placements (no rule
+    needed; its tensors may be on ``meta``). With ``inplace=True`` the data is copied into the
+    template's tensors, which are returned. A damaged chunk raises ``IntegrityError`` naming
+    its array.
     """
-    options = dict(like=like, select=select, strict=strict, group=group, concurrency=concurrency)
+    options = dict(like=like, select=select, strict=strict, inplace=inplace, group=group, concurrency=concurrency)
     return load_async(path, layout, **options).result()
 
 
@@ -70,6 +75,7 @@ def load_async(
     like: Any = None,
     select: Select = None,
     strict: bool = True,
+    inplace: bool = False,
     group: Any = None,
     concurrency: int = _store.DEFAULT_CONCURRENCY,
 ) -> LoadFuture[Any]:
@@ -84,11 +90,9 @@ def load_async(
     meta = _store.read_meta(path)
     root = _store.Path(path).absolute()
     comm = comm_for(group)
-    if layout is None:
-        # Every array whole on every rank of the group (one process: the whole checkpoint).
-        layout = Layout.replicated(Mesh({"replica": comm.world}) if comm.world > 1 else None)
-    check_mesh(layout.mesh, comm)
     stored_leaves = dict(leaf_nodes(meta.tree))
+    if inplace and like is None:
+        raise TemplateMismatchError("inplace=True copies into the tensors of like=; pass the state to fill as like=")
 
     template: dict[str, Any] = {}
     if like is not None:
@@ -99,7 +103,8 @@ def load_async(
                 f"the template asks for {missing[:5]}, which checkpoint {os.fspath(path)!r} does not "
                 "hold; remove them from the template or load them from another checkpoint"
             )
-        extra = sorted(n for n in meta.arrays if n not in template)
+        covered = {_stored_name(n, stored_leaves) for n in template}
+        extra = sorted(n for n in meta.arrays if n not in covered)
         if strict and extra and select is None:
             raise TemplateMismatchError(
                 f"checkpoint {os.fspath(path)!r} holds arrays the template lacks, e.g. {extra[:5]}; "
@@ -107,38 +112,52 @@ def load_async(
             )
     else:
         structure = meta.tree
+    user_layout = layout
+    if layout is None:
+        # Every array whole on every rank of the group (one process: the whole checkpoint), but
+        # DTensors of the template where their placements say.
+        layout = Layout.replicated(default_mesh(template, comm.world, comm.global_ranks))
+    check_mesh(layout.mesh, comm)
     keep = _selector(select, list(template) if like is not None else list(stored_leaves))
     names = [n for n in (template if like is not None else stored_leaves) if keep is None or n in keep]
 
-    # Plan every read first (pure), so bad input raises before any byte is read.
-    boxes: dict[str, _plan.Box] = {}
+    # Plan every read first (pure), so bad input raises before any byte is read. Names tied at
+    # save time share one stored array, read once per distinct box.
+    targets: dict[str, tuple[str, _plan.Box]] = {}
     for name in names:
-        if name not in meta.arrays:
+        stored = _stored_name(name, stored_leaves)
+        if stored is None:
             continue
-        a = meta.arrays[name]
-        spec = layout.spec_for(name)
-        check_spec(spec, layout.mesh, len(a.shape), name, a.shape)
-        boxes[name] = _plan.shard_box(a.shape, spec, layout.mesh, comm.rank)
-        if name in template:
-            _check_template(name, template[name], a, _plan.box_shape(boxes[name]), spec)
+        a = meta.arrays[stored]
+        target = template.get(name)
+        if is_dtensor(target):
+            _check_global(name, target, a)
+            mesh, spec = sharding_of(target, name, comm.rank, comm.global_ranks, user_layout)
+        else:
+            mesh, spec = layout.mesh, layout.spec_for(name) if user_layout is not None else P()
+            check_spec(spec, mesh, len(a.shape), name, a.shape)
+        box = _plan.shard_box(a.shape, spec, mesh, comm.rank)
+        if target is not None:
+            local = target.to_local() if is_dtensor(target) else target
+            _check_template(name, local, a, _plan.box_shape(box), spec)
+        targets[name] = (stored, box)
 
     ctx = _store.context(concurrency)
     complete = meta.all_chunks_stored
-    opened = {n: _store.open_array(ctx, root, meta.arrays[n], all_chunks_stored=complete) for n in boxes}
+    opened = {s: _store.open_array(ctx, root, meta.arrays[s], all_chunks_stored=complete) for s, _ in targets.values()}
     reads = {}
-    for name, box in boxes.items():
-        store = opened[name].result()
-        if _plan.box_size(box) == 0:
-            continue
-        reads[name] = (store[tuple(slice(a, b) for a, b in box)] if box else store).read()
+    for key in dict.fromkeys(targets.values()):
+        stored, box = key
+        store = opened[stored].result()
+        if _plan.box_size(box) > 0:
+            reads[key] = (store[tuple(slice(a, b) for a, b in box)] if box else store).read()
+    built: dict[tuple[str, _plan.Box], Any] = {}
 
-    def leaf(name: str, node: Any) -> Any:
-        if name not in meta.arrays:
-            return decode_value(stored_leaves[name]) if name in stored_leaves else node
-        a = meta.arrays[name]
-        box = boxes[name]
-        if name in reads:
-            data = _store.read_result(reads[name], name, os.fspath(path))
+    def shard(name: str) -> Any:
+        stored, box = key = targets[name]
+        a = meta.arrays[stored]
+        if key in reads:
+            data = _store.read_result(reads[key], stored, os.fspath(path))
         else:
             data = np.zeros(_plan.box_shape(box), dtype=numpy_dtype(a.dtype))
         kind = a.kind
@@ -154,11 +173,45 @@ def load_async(
             return torch.zeros(data.shape, dtype=ZARR_TO_TORCH[a.dtype])
         t = from_numpy(data, a.dtype)
         assert t.dtype == ZARR_TO_TORCH[a.dtype]
-        if isinstance(target, torch.Tensor) and target.device.type not in ("cpu", "meta"):
-            t = t.to(target.device)
         return t
 
+    def leaf(name: str, node: Any) -> Any:
+        if name not in targets:
+            return decode_value(stored_leaves[name]) if name in stored_leaves else node
+        target = template.get(name)
+        if inplace and target is not None:
+            local = target.to_local() if is_dtensor(target) else target
+            if isinstance(local, np.ndarray):
+                local[...] = shard(name)
+            else:
+                local.copy_(shard(name))
+            return target
+        key = targets[name]
+        if key not in built:
+            # One object per stored array and box: names tied at save time stay tied.
+            t = shard(name)
+            if target is not None and isinstance(t, torch.Tensor):
+                t = t.to(local_device(target))
+                if is_dtensor(target):
+                    t = from_local(t, target, meta.arrays[key[0]].shape)
+            built[key] = t
+        return built[key]
+
     return LoadFuture(lambda: unflatten(structure, leaf, keep), list(reads.values()))
+
+
+def _stored_name(name: str, stored_leaves: dict[str, Any]) -> str | None:
+    """The stored array a tree name reads (itself, or the array it is tied to); None for values."""
+    node = stored_leaves.get(name)
+    return node.get("array") if isinstance(node, dict) else None
+
+
+def _check_global(name: str, target: Any, a: ArrayMeta) -> None:
+    if tuple(target.shape) != a.shape:
+        raise TemplateMismatchError(
+            f"array {name!r}: the template's DTensor has global shape {tuple(target.shape)} but the checkpoint "
+            f"stores {a.shape}; build the model with the saved configuration"
+        )
 
 
 def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...], spec: Any) -> None:

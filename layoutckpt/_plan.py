@@ -123,6 +123,8 @@ class ArraySpec:
     shape: tuple[int, ...]
     spec: P
     itemsize: int
+    # The mesh the spec names, where it is not the layout's (a DTensor's own mesh); same size.
+    mesh: Mesh | None = None
 
 
 def _piece_ids(a: ArraySpec, mesh: Mesh, coords: np.ndarray) -> np.ndarray:
@@ -146,14 +148,17 @@ def assign_writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[np.ndarray]:
     (ties by array order, then piece index) and each goes to its least-loaded replica (ties to
     the lowest rank). Empty pieces have no writer (-1).
     """
-    coords = _mesh_coords(mesh)
+    coords = {mesh: _mesh_coords(mesh)}
     pieces: list[tuple[int, int, int, np.ndarray]] = []
     for index, a in enumerate(arrays):
-        ids = _piece_ids(a, mesh, coords)
+        m = a.mesh or mesh
+        if m not in coords:
+            coords[m] = _mesh_coords(m)
+        ids = _piece_ids(a, m, coords[m])
         order = np.argsort(ids, kind="stable")
         bounds = np.flatnonzero(np.diff(ids[order])) + 1
         for group in np.split(order, bounds):
-            size = box_size(shard_box(a.shape, a.spec, mesh, int(group[0]))) * a.itemsize
+            size = box_size(shard_box(a.shape, a.spec, m, int(group[0]))) * a.itemsize
             if size > 0:
                 pieces.append((-size, index, int(ids[group[0]]), group))
     pieces.sort(key=lambda p: p[:3])
@@ -169,7 +174,7 @@ def assign_writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[np.ndarray]:
 def writes_of(arrays: Sequence[ArraySpec], mesh: Mesh, rank: int) -> list[tuple[int, Box]]:
     """(array index, box) of every piece that ``rank`` writes."""
     return [
-        (index, shard_box(arrays[index].shape, arrays[index].spec, mesh, rank))
+        (index, shard_box(arrays[index].shape, arrays[index].spec, arrays[index].mesh or mesh, rank))
         for index, writer in enumerate(assign_writers(arrays, mesh))
         if writer[rank] == rank
     ]

@@ -52,7 +52,10 @@ class Reader:
         self.meta: CheckpointMeta = _store.read_meta(path)
         self._ctx = _store.context(concurrency)
         self._stores: dict[str, ts.TensorStore] = {}
-        self._values = {name: node for name, node in leaf_nodes(self.meta.tree) if "array" not in node}
+        nodes = list(leaf_nodes(self.meta.tree))
+        self._values = {name: node for name, node in nodes if "array" not in node}
+        # Names tied at save time (shared weights) read the array stored under the first name.
+        self.aliases: dict[str, str] = {n: node["array"] for n, node in nodes if node.get("array", n) != n}
 
     def __repr__(self) -> str:
         return f"Reader({self.path!r}, step={self.step}, arrays={len(self.meta.arrays)})"
@@ -91,11 +94,11 @@ class Reader:
         return list(self._values)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.meta.arrays or name in self._values
+        return name in self.meta.arrays or name in self._values or name in self.aliases
 
     def _array(self, name: str) -> ArrayMeta:
         try:
-            return self.meta.arrays[name]
+            return self.meta.arrays[self.aliases.get(name, name)]
         except KeyError:
             close = [k for k in self.meta.arrays if name in k or k in name][:5]
             hint = f"; similar names: {close}" if close else ""
@@ -117,6 +120,7 @@ class Reader:
 
     def tensorstore(self, name: str) -> ts.TensorStore:
         """The array as a TensorStore, for reads this API does not cover."""
+        name = self.aliases.get(name, name)
         store = self._stores.get(name)
         if store is None:
             meta = self._array(name)

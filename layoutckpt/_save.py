@@ -23,15 +23,16 @@ import numpy as np
 
 from . import _plan, _rankstate, _store
 from ._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
+from ._dtensor import default_mesh, is_dtensor, sharding_of
 from ._dtypes import zarr_name
 from ._errors import CheckpointExistsError, InconsistentShardsError, SaveError
 from ._format import ArrayMeta, CheckpointMeta, group_document, root_document
 from ._futures import SaveFuture, swap_in_flight, wait_previous
 from ._layout import Layout
-from ._spec import check_spec
+from ._spec import Mesh, P, check_spec
 from ._staging import Staged, side_stream, stage_all
 from ._tensors import tensor_zarr_dtype
-from ._tree import flatten, name_to_path
+from ._tree import flatten, name_to_path, retarget
 from ._version import __version__
 
 DEFAULT_INNER_CHUNK_BYTES = 2 << 20
@@ -63,6 +64,8 @@ class _Local:
     itemsize: int
     dtype: str
     kind: str
+    # A DTensor leaf: its global shape, mesh and placements are known, so it needs no rule.
+    dtensor: Any = None
 
 
 def _local_arrays(leaves: Mapping[str, Any]) -> list[_Local]:
@@ -70,7 +73,11 @@ def _local_arrays(leaves: Mapping[str, Any]) -> list[_Local]:
 
     out = []
     for name, leaf in leaves.items():
-        if isinstance(leaf, torch.Tensor):
+        if is_dtensor(leaf):
+            local = leaf.to_local()
+            dtype = tensor_zarr_dtype(local, name)
+            out.append(_Local(name, local, tuple(local.shape), local.element_size(), dtype, "torch", leaf))
+        elif isinstance(leaf, torch.Tensor):
             dtype = tensor_zarr_dtype(leaf, name)
             out.append(_Local(name, leaf, tuple(leaf.shape), leaf.element_size(), dtype, "torch"))
         elif isinstance(leaf, np.ndarray):
@@ -78,6 +85,41 @@ def _local_arrays(leaves: Mapping[str, Any]) -> list[_Local]:
         elif isinstance(leaf, np.generic):
             out.append(_Local(name, np.asarray(leaf), (), leaf.itemsize, zarr_name(leaf.dtype, name), "numpy_scalar"))
     return out
+
+
+def _storage_key(leaf: Any) -> Any:
+    """Equal for two leaves that are the same tensor (tied weights), None where that is unknowable."""
+    import torch
+
+    extra: tuple[Any, ...] = ()
+    if is_dtensor(leaf):
+        extra = (id(leaf.device_mesh), tuple(leaf.placements), tuple(leaf.shape))
+        leaf = leaf.to_local()
+    if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or leaf.numel() == 0:
+        return None
+    view = (leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, str(leaf.device))
+    return (leaf.untyped_storage().data_ptr(), *view, *extra)
+
+
+def _tie(structure: Any, leaves: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Store a tensor that appears under several names (tied weights) once, under its first name.
+
+    The other names become aliases in the tree, so a load gives one tensor back to all of them.
+    """
+    first: dict[Any, str] = {}
+    aliases: dict[str, str] = {}
+    for name, leaf in leaves.items():
+        key = _storage_key(leaf)
+        if key is None:
+            continue
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    if not aliases:
+        return structure, leaves
+    kept = {n: leaf for n, leaf in leaves.items() if n not in aliases}
+    return retarget(structure, aliases), kept
 
 
 def _agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[list[int], list[int]]:
@@ -99,7 +141,7 @@ def _agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[l
 def save(
     path: str | os.PathLike[str],
     state: Any,
-    layout: Layout,
+    layout: Layout | None = None,
     *,
     step: int | None = None,
     metadata: Mapping[str, Any] | None = None,
@@ -126,7 +168,7 @@ def save(
 def save_async(
     path: str | os.PathLike[str],
     state: Any,
-    layout: Layout,
+    layout: Layout | None = None,
     *,
     step: int | None = None,
     metadata: Mapping[str, Any] | None = None,
@@ -172,7 +214,7 @@ class _Job:
 def _start(
     path: str | os.PathLike[str],
     state: Any,
-    layout: Layout,
+    layout: Layout | None,
     *,
     copy: bool,
     lazy: bool,
@@ -187,7 +229,6 @@ def _start(
     concurrency: int,
 ) -> SaveFuture:
     t0 = time.perf_counter()
-    mesh = layout.mesh
     comm = comm_for(group)
     final = Path(path).absolute()
     # One save in flight: its buffers come back, and its failure is not lost.
@@ -197,18 +238,24 @@ def _start(
     error: BaseException | None = None
     structure: Any = None
     arrays: list[_Local] = []
-    specs = []
+    shardings: list[tuple[Mesh, P]] = []
     rank_doc = None
+    mesh = layout.mesh if layout is not None else Mesh({})
     try:
         if previous is not None:
             raise SaveError(f"the previous save_async failed, and this save was not started: {previous}") from previous
+        structure, leaves = _tie(*flatten(state))
+        if layout is None:
+            mesh = default_mesh(leaves, comm.world, comm.global_ranks)
         check_mesh(mesh, comm)
-        structure, leaves = flatten(state)
         arrays = _local_arrays(leaves)
         for a in arrays:
-            spec = layout.spec_for(a.name)
+            if a.dtensor is not None:
+                shardings.append(sharding_of(a.dtensor, a.name, comm.rank, comm.global_ranks, layout))
+                continue
+            spec = layout.spec_for(a.name) if layout is not None else P()
             check_spec(spec, mesh, len(a.shape), a.name, a.shape)
-            specs.append(spec)
+            shardings.append((mesh, spec))
         _check_user_metadata(metadata)
         if rank_state is not None:
             rank_doc = _rankstate.document(rank_state, comm.rank, comm.world)
@@ -217,7 +264,7 @@ def _start(
         error = err
     # The mesh is part of each spec: ranks that order or size the mesh axes differently would
     # place their shards at different boxes.
-    signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {mesh!r}") for a, s in zip(arrays, specs)]
+    signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {m!r}") for a, (m, s) in zip(arrays, shardings)]
     agreed = (signature, structure, rank_doc is not None)
     hi, lo = _agree(comm, error, [*digest(agreed), sum(len(a.shape) for a in arrays)])
     if hi != lo:
@@ -230,11 +277,14 @@ def _start(
     metas: dict[str, ArrayMeta] = {}
     plan_arrays: list[_plan.ArraySpec] = []
     offset = 0
-    for a, spec in zip(arrays, specs):
+    for a, (m, spec) in zip(arrays, shardings):
         sl = slice(offset, offset + len(a.shape))
         offset += len(a.shape)
-        shape = _plan.global_shape_from_sums(a.name, spec, mesh, sums[sl], mins[sl], maxs[sl])
-        outer = _plan.shard_shape(shape, spec, mesh)
+        if a.dtensor is not None:
+            shape = tuple(a.dtensor.shape)
+        else:
+            shape = _plan.global_shape_from_sums(a.name, spec, m, sums[sl], mins[sl], maxs[sl])
+        outer = _plan.shard_shape(shape, spec, m)
         metas[a.name] = ArrayMeta(
             path=name_to_path(a.name),
             shape=shape,
@@ -244,17 +294,18 @@ def _start(
             spec=spec,
             kind=a.kind,
             compression=compression,
+            mesh=m if m != mesh else None,
         )
-        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize))
+        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize, m if m != mesh else None))
     error = None
     try:
         for a, pa in zip(arrays, plan_arrays):
-            expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, mesh, comm.rank))
+            expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, pa.mesh or mesh, comm.rank))
             if a.shape != expected:
                 raise InconsistentShardsError(
                     f"array {a.name!r}: rank {comm.rank} holds a shard of shape {a.shape}, but "
                     f"the global shape {pa.shape} recovered from all ranks, split by {pa.spec!r} on "
-                    f"{mesh!r} (as torch.chunk would), gives this rank {expected}; check that every "
+                    f"{pa.mesh or mesh!r} (as torch.chunk would), gives this rank {expected}; check that every "
                     "rank passes its own shard of the same tensor"
                 )
     except InconsistentShardsError as err:
@@ -270,7 +321,7 @@ def _start(
         arrays=metas,
         tree=structure,
         mesh=mesh,
-        rules=layout.rules,
+        rules=layout.rules if layout is not None else (),
         step=step,
         user_metadata=dict(metadata or {}),
         library_version=__version__,

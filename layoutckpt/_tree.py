@@ -176,3 +176,19 @@ def leaf_nodes(structure: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
             yield name, node
 
     yield from walk(structure, "")
+
+
+def retarget(structure: Any, targets: Mapping[str, str]) -> Any:
+    """The tree with the array leaves named in ``targets`` pointing at another stored array."""
+
+    def walk(node: Any, name: str) -> Any:
+        if "dict" in node:
+            return {"dict": [[k, walk(child, _join(name, str(k)))] for k, child in node["dict"]]}
+        for kind in ("list", "tuple"):
+            if kind in node:
+                return {kind: [walk(child, _join(name, str(i))) for i, child in enumerate(node[kind])]}
+        if "array" in node and name in targets:
+            return {"array": targets[name]}
+        return node
+
+    return walk(structure, "")
