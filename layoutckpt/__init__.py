@@ -16,6 +16,7 @@ from ._errors import SaveError as SaveError
 from ._errors import TemplateMismatchError as TemplateMismatchError
 from ._errors import WorldSizeError as WorldSizeError
 from ._format import FORMAT_VERSION as FORMAT_VERSION
+from ._flat import Flat as Flat
 from ._futures import LoadFuture as LoadFuture
 from ._futures import SaveFuture as SaveFuture
 from ._layout import Layout as Layout
@@ -31,10 +32,10 @@ from ._save import SaveResult as SaveResult
 from ._save import save as save
 from ._save import save_async as save_async
 from ._spec import Mesh as Mesh
+from ._spec import P as P
 from ._training import get_state as get_state
 from ._training import load_state as load_state
 from ._training import set_state as set_state
-from ._spec import P as P
 from ._version import __version__ as __version__
 from ._zarr_dtypes import register as _register_zarr_dtypes
 

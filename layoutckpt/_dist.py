@@ -85,6 +85,28 @@ class Comm:
         if self.world > 1:
             self.all_reduce([0], "max")
 
+    def exchange(
+        self, sends: Sequence[tuple[int, int, torch.Tensor]], recvs: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Point to point: send each (to, tag, tensor), receive into each (from, tag, tensor).
+
+        Both sides know every message's size from the plan, so no sizes travel. Tensors go as
+        bytes (a contiguous 1-D tensor of any dtype), which every backend can carry.
+        """
+        if not sends and not recvs:
+            return
+        ops = [dist.P2POp(dist.isend, _as_bytes(t), self._global(to), self.group, tag) for to, tag, t in sends]
+        ops += [dist.P2POp(dist.irecv, _as_bytes(t), self._global(src), self.group, tag) for src, tag, t in recvs]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.numel() else t.reshape(0).view(torch.uint8)
+
 
 def comm_for(group: Any = None) -> Comm:
     """This process's place: the default process group (or ``group``), else a world of one."""

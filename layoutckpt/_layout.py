@@ -16,12 +16,13 @@ from typing import Any
 import attrs
 
 from ._errors import LayoutError
+from ._flat import Flat
 from ._spec import Mesh, P
 
-Rule = tuple[str, P]
+Rule = tuple[str, "P | Flat"]
 
 
-def _parse_rules(rules: Iterable[tuple[str, P]]) -> tuple[Rule, ...]:
+def _parse_rules(rules: Iterable[tuple[str, P | Flat]]) -> tuple[Rule, ...]:
     parsed: list[Rule] = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple) and len(rule) == 2):
@@ -33,8 +34,8 @@ def _parse_rules(rules: Iterable[tuple[str, P]]) -> tuple[Rule, ...]:
             re.compile(pattern)
         except re.error as err:
             raise LayoutError(f"Layout rule #{i}: pattern {pattern!r} is not a valid regex: {err}") from None
-        if not isinstance(spec, P):
-            raise LayoutError(f"Layout rule #{i} ({pattern!r}): the spec must be a P(...), got {spec!r}")
+        if not isinstance(spec, P | Flat):
+            raise LayoutError(f"Layout rule #{i} ({pattern!r}): the spec must be a P(...) or Flat(...), got {spec!r}")
         parsed.append((pattern, spec))
     return tuple(parsed)
 
@@ -69,14 +70,14 @@ class Layout:
         """Every array whole on every rank (the layout of a single process)."""
         return cls(mesh if mesh is not None else Mesh({}), [(r".*", P())])
 
-    def rule_for(self, name: str) -> tuple[str, P] | None:
+    def rule_for(self, name: str) -> Rule | None:
         """The first rule (pattern, spec) whose pattern matches ``name``, or None."""
         for regex, rule in zip(self._compiled, self.rules):
             if regex.search(name):
                 return rule
         return None
 
-    def spec_for(self, name: str) -> P:
+    def spec_for(self, name: str) -> P | Flat:
         rule = self.rule_for(name)
         if rule is not None:
             return rule[1]
@@ -89,8 +90,13 @@ class Layout:
         rules = ", ".join(f"({p!r}, {s!r})" for p, s in self.rules)
         return f"Layout({self.mesh!r}, [{rules}])"
 
+    @property
+    def spec_rules(self) -> tuple[tuple[str, P], ...]:
+        """The rules that map names to ``P`` specs (flat rules left out)."""
+        return tuple((p, s) for p, s in self.rules if isinstance(s, P))
+
     def to_json(self) -> dict[str, Any]:
-        return {"mesh": self.mesh.to_json(), "rules": [[p, s.to_json()] for p, s in self.rules]}
+        return {"mesh": self.mesh.to_json(), "rules": [[p, s.to_json()] for p, s in self.spec_rules]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Layout:

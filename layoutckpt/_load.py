@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from . import _plan, _rankstate, _store
+from . import _flat, _plan, _rankstate, _store
 from ._dist import check_mesh, comm_for
 from ._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from ._dtypes import numpy_dtype
 from ._errors import TemplateMismatchError
+from ._flat import Flat
 from ._format import ArrayMeta
 from ._futures import LoadFuture
 from ._layout import Layout
 from ._spec import P, check_spec
-from ._tree import decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
+from ._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 
 Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
 
@@ -94,16 +95,24 @@ def load_async(
     if inplace and like is None:
         raise TemplateMismatchError("inplace=True copies into the tensors of like=; pass the state to fill as like=")
 
+    user_layout = layout
+
+    def flat_spec(name: str) -> Flat | None:
+        rule = user_layout.rule_for(name) if user_layout is not None else None
+        return rule[1] if rule is not None and isinstance(rule[1], Flat) else None
+
     template: dict[str, Any] = {}
     if like is not None:
         structure, template = flatten(like)
-        missing = sorted(n for n in template if n not in stored_leaves)
+        flat_names = {n for n in template if flat_spec(n) is not None}
+        missing = sorted(n for n in template if n not in stored_leaves and n not in flat_names)
         if missing:
             raise TemplateMismatchError(
                 f"the template asks for {missing[:5]}, which checkpoint {os.fspath(path)!r} does not "
                 "hold; remove them from the template or load them from another checkpoint"
             )
         covered = {_stored_name(n, stored_leaves) for n in template}
+        covered |= {f"{n}.{p}" for n in flat_names for p, _ in flat_spec(n).params}  # type: ignore[union-attr]
         extra = sorted(n for n in meta.arrays if n not in covered)
         if strict and extra and select is None:
             raise TemplateMismatchError(
@@ -111,25 +120,31 @@ def load_async(
                 "pass strict=False to ignore them"
             )
     else:
-        structure = meta.tree
-    user_layout = layout
+        # A stored group that a flat rule names is loaded as that flat buffer.
+        structure = collapse(meta.tree, lambda n: flat_spec(n) is not None)
     if layout is None:
         # Every array whole on every rank of the group (one process: the whole checkpoint), but
         # DTensors of the template where their placements say.
         layout = Layout.replicated(default_mesh(template, comm.world, comm.global_ranks))
     check_mesh(layout.mesh, comm)
-    keep = _selector(select, list(template) if like is not None else list(stored_leaves))
-    names = [n for n in (template if like is not None else stored_leaves) if keep is None or n in keep]
+    wanted = template if like is not None else dict(leaf_nodes(structure))
+    keep = _selector(select, list(wanted))
+    names = [n for n in wanted if keep is None or n in keep]
 
     # Plan every read first (pure), so bad input raises before any byte is read. Names tied at
     # save time share one stored array, read once per distinct box.
     targets: dict[str, tuple[str, _plan.Box]] = {}
+    flats: dict[str, tuple[int, str, list[tuple[tuple[str, _plan.Box], int, int, int]]]] = {}
     for name in names:
+        target = template.get(name)
+        spec = flat_spec(name)
+        if spec is not None:
+            flats[name] = _plan_flat(name, spec, layout.mesh, comm.rank, meta.arrays, target)
+            continue
         stored = _stored_name(name, stored_leaves)
         if stored is None:
             continue
         a = meta.arrays[stored]
-        target = template.get(name)
         if is_dtensor(target):
             _check_global(name, target, a)
             mesh, spec = sharding_of(target, name, comm.rank, comm.global_ranks, user_layout)
@@ -144,9 +159,10 @@ def load_async(
 
     ctx = _store.context(concurrency)
     complete = meta.all_chunks_stored
-    opened = {s: _store.open_array(ctx, root, meta.arrays[s], all_chunks_stored=complete) for s, _ in targets.values()}
+    boxes = list(targets.values()) + [key for _, _, parts in flats.values() for key, *_ in parts]
+    opened = {s: _store.open_array(ctx, root, meta.arrays[s], all_chunks_stored=complete) for s, _ in boxes}
     reads = {}
-    for key in dict.fromkeys(targets.values()):
+    for key in dict.fromkeys(boxes):
         stored, box = key
         store = opened[stored].result()
         if _plan.box_size(box) > 0:
@@ -175,7 +191,30 @@ def load_async(
         assert t.dtype == ZARR_TO_TORCH[a.dtype]
         return t
 
+    def flat_buffer(name: str) -> Any:
+        length, dtype, parts = flats[name]
+        buf = np.zeros(length, dtype=numpy_dtype(dtype))
+        for key, lo, hi, dst in parts:
+            rows = _store.read_result(reads[key], key[0], os.fspath(path)).reshape(-1)
+            buf[dst : dst + hi - lo] = rows[lo:hi]
+        target = template.get(name)
+        if isinstance(target, np.ndarray) or buf.size == 0:
+            return buf if isinstance(target, np.ndarray) else torch.zeros(0, dtype=ZARR_TO_TORCH[dtype])
+        return from_numpy(buf, dtype)
+
     def leaf(name: str, node: Any) -> Any:
+        if name in flats:
+            target = template.get(name)
+            data = flat_buffer(name)
+            if target is None:
+                return data
+            if inplace:
+                if isinstance(target, np.ndarray):
+                    target[...] = data
+                else:
+                    target.copy_(data)
+                return target
+            return data.to(local_device(target)) if isinstance(data, torch.Tensor) else data
         if name not in targets:
             return decode_value(stored_leaves[name]) if name in stored_leaves else node
         target = template.get(name)
@@ -198,6 +237,41 @@ def load_async(
         return built[key]
 
     return LoadFuture(lambda: unflatten(structure, leaf, keep), list(reads.values()))
+
+
+def _plan_flat(
+    name: str, spec: Flat, mesh: Any, rank: int, arrays: Mapping[str, ArrayMeta], target: Any
+) -> tuple[int, str, list[tuple[tuple[str, _plan.Box], int, int, int]]]:
+    """(buffer length, dtype, reads) of a flat target: whole rows of each parameter it overlaps."""
+    spec.check(mesh, name)
+    length, reads = _flat.load_plan(spec, mesh, rank)
+    dtypes = set()
+    for param, shape in spec.params:
+        stored = f"{name}.{param}"
+        a = arrays.get(stored)
+        if a is None or a.shape != shape:
+            found = "no such array" if a is None else f"shape {a.shape}"
+            raise TemplateMismatchError(
+                f"flat array {name!r}: its layout declares parameter {param!r} of shape {shape}, stored as "
+                f"{stored!r}, but the checkpoint has {found}; declare the parameters as they were saved"
+            )
+        dtypes.add(a.dtype)
+    if len(dtypes) > 1:
+        raise TemplateMismatchError(
+            f"flat array {name!r}: its parameters are stored with different dtypes {sorted(dtypes)}; a flat "
+            "buffer holds one dtype, so load them per parameter and cast"
+        )
+    dtype = dtypes.pop() if dtypes else "float32"
+    if target is not None:
+        local = target
+        if tuple(local.shape) != (length,):
+            raise TemplateMismatchError(
+                f"flat array {name!r}: the template has shape {tuple(local.shape)} but {spec!r} on {mesh!r} gives "
+                f"rank {rank} a buffer of {length} elements; fix the template or the layout"
+            )
+        _check_template(name, local, ArrayMeta(name, (length,), dtype, (length,), (length,), P()), (length,), spec)
+    parts = [((f"{name}.{spec.params[r.param][0]}", r.box), r.lo, r.hi, r.dst) for r in reads]
+    return length, dtype, parts
 
 
 def _stored_name(name: str, stored_leaves: dict[str, Any]) -> str | None:

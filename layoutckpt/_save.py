@@ -21,18 +21,19 @@ from typing import Any
 import attrs
 import numpy as np
 
-from . import _plan, _rankstate, _store
+from . import _flat, _plan, _rankstate, _store
 from ._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
 from ._dtensor import default_mesh, is_dtensor, sharding_of
 from ._dtypes import zarr_name
 from ._errors import CheckpointExistsError, InconsistentShardsError, SaveError
+from ._flat import Flat
 from ._format import ArrayMeta, CheckpointMeta, group_document, root_document
 from ._futures import SaveFuture, swap_in_flight, wait_previous
 from ._layout import Layout
 from ._spec import Mesh, P, check_spec
 from ._staging import Staged, side_stream, stage_all
 from ._tensors import tensor_zarr_dtype
-from ._tree import flatten, name_to_path, retarget
+from ._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, retarget
 from ._version import __version__
 
 DEFAULT_INNER_CHUNK_BYTES = 2 << 20
@@ -202,9 +203,8 @@ class _Job:
     tmp: Path
     final: Path
     meta: CheckpointMeta
-    arrays: list[_Local]
     metas: dict[str, ArrayMeta]
-    mine: list[tuple[int, _plan.Box]]
+    mine: list[tuple[str, _plan.Box]]
     rank_doc: bytes | None
     overwrite: bool
     concurrency: int
@@ -239,6 +239,7 @@ def _start(
     structure: Any = None
     arrays: list[_Local] = []
     shardings: list[tuple[Mesh, P]] = []
+    flats: list[tuple[_Local, Flat]] = []
     rank_doc = None
     mesh = layout.mesh if layout is not None else Mesh({})
     try:
@@ -248,14 +249,22 @@ def _start(
         if layout is None:
             mesh = default_mesh(leaves, comm.world, comm.global_ranks)
         check_mesh(mesh, comm)
-        arrays = _local_arrays(leaves)
-        for a in arrays:
+        arrays = []
+        for a in _local_arrays(leaves):
             if a.dtensor is not None:
                 shardings.append(sharding_of(a.dtensor, a.name, comm.rank, comm.global_ranks, layout))
+                arrays.append(a)
                 continue
             spec = layout.spec_for(a.name) if layout is not None else P()
+            if isinstance(spec, Flat):
+                flats.append((a, _check_flat(a, spec, mesh, comm.rank)))
+                continue
             check_spec(spec, mesh, len(a.shape), a.name, a.shape)
             shardings.append((mesh, spec))
+            arrays.append(a)
+        if flats:
+            structure = _expand_flats(structure, flats)
+            check_no_prefix_clash([a.name for a in arrays] + [n for f, spec in flats for n in _flat_names(f, spec)])
         _check_user_metadata(metadata)
         if rank_state is not None:
             rank_doc = _rankstate.document(rank_state, comm.rank, comm.world)
@@ -265,6 +274,7 @@ def _start(
     # The mesh is part of each spec: ranks that order or size the mesh axes differently would
     # place their shards at different boxes.
     signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {m!r}") for a, (m, s) in zip(arrays, shardings)]
+    signature += [(a.name, a.dtype, 1, f"{spec!r} on {mesh!r}") for a, spec in flats]
     agreed = (signature, structure, rank_doc is not None)
     hi, lo = _agree(comm, error, [*digest(agreed), sum(len(a.shape) for a in arrays)])
     if hi != lo:
@@ -297,6 +307,22 @@ def _start(
             mesh=m if m != mesh else None,
         )
         plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize, m if m != mesh else None))
+    flat_shards: list[list[tuple[int, ...]]] = []
+    for a, spec in flats:
+        flat_shards.append([])
+        for stored, (_, shape) in zip(_flat_names(a, spec), spec.params):
+            outer = _flat.row_shard_shape(shape, a.itemsize, _flat.DEFAULT_SHARD_BYTES)
+            flat_shards[-1].append(outer)
+            metas[stored] = ArrayMeta(
+                path=name_to_path(stored),
+                shape=shape,
+                dtype=a.dtype,
+                shard_shape=outer,
+                inner_chunk_shape=_plan.inner_chunk_shape(outer, a.itemsize, inner_chunk_bytes),
+                spec=P(),
+                kind=a.kind,
+                compression=compression,
+            )
     error = None
     try:
         for a, pa in zip(arrays, plan_arrays):
@@ -321,16 +347,23 @@ def _start(
         arrays=metas,
         tree=structure,
         mesh=mesh,
-        rules=layout.rules if layout is not None else (),
+        rules=layout.spec_rules if layout is not None else (),
         step=step,
         user_metadata=dict(metadata or {}),
         library_version=__version__,
         rank_state_world=comm.world if rank_doc is not None else None,
         all_chunks_stored=True,
     )
-    mine = _plan.writes_of(plan_arrays, mesh, comm.rank)
-    job = _Job(tmp, final, meta, arrays, metas, mine, rank_doc, overwrite, concurrency, t0)
-    items = [Staged(arrays[i].source) for i, _ in mine]
+    regular = _plan.writes_of(plan_arrays, mesh, comm.rank)
+    mine = [(arrays[i].name, box) for i, box in regular]
+    sources = [arrays[i].source for i, _ in regular]
+    # Boundary fragments travel now, on the caller's thread: the process group is free, and
+    # each rank sends at most one row block's fragment per flat buffer.
+    for name, box, data in _flat_writes(comm, flats, flat_shards, mesh):
+        mine.append((name, box))
+        sources.append(data)
+    job = _Job(tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, t0)
+    items = [Staged(source) for source in sources]
     fut = SaveFuture(os.fspath(final))
 
     # 4. Stage and write. A synchronous save writes straight from the live tensors.
@@ -375,6 +408,70 @@ def _start(
         fut._blocked_seconds = time.perf_counter() - t0
         returned.set()
     return fut
+
+
+def _flat_names(a: _Local, spec: Flat) -> list[str]:
+    """The stored names of a flat buffer's parameters: under the buffer's own name."""
+    return [f"{a.name}.{param}" for param, _ in spec.params]
+
+
+def _check_flat(a: _Local, spec: Flat, mesh: Mesh, rank: int) -> Flat:
+    spec.check(mesh, a.name)
+    piece, _ = spec.piece_of(mesh, rank)
+    start, stop = spec.piece_range(mesh, piece)
+    if len(a.shape) != 1 or a.shape[0] != stop - start:
+        raise InconsistentShardsError(
+            f"flat array {a.name!r}: rank {rank} holds shape {a.shape}, but {spec!r} on {mesh!r} gives it "
+            f"elements [{start}, {stop}) of the {spec.total} concatenated, a 1-D buffer of {stop - start}; "
+            "pass each rank's own flat buffer, or declare its bounds"
+        )
+    return spec
+
+
+def _expand_flats(structure: Any, flats: list[tuple[_Local, Flat]]) -> Any:
+    """Each flat buffer's leaf becomes the tree of its parameters, stored as arrays of their own."""
+    for a, spec in flats:
+        structure = replace_leaf(structure, a.name, nested(a.name, [p for p, _ in spec.params]))
+    return structure
+
+
+def _flat_writes(
+    comm: Comm, flats: list[tuple[_Local, Flat]], shards: list[list[tuple[int, ...]]], mesh: Mesh
+) -> list[tuple[str, _plan.Box, Any]]:
+    """(stored name, box, data) of the row blocks this rank writes for its flat buffers.
+
+    Blocks inside this rank's range are views of its buffer; the others are assembled from it
+    and from the fragments the neighbouring ranks send, all exchanged in one batch.
+    """
+    import torch
+
+    from ._tensors import from_numpy
+
+    out: list[tuple[str, _plan.Box, Any]] = []
+    sends: list[tuple[int, int, Any]] = []
+    recvs: list[tuple[int, int, Any]] = []
+    for tag, ((a, spec), shard_shapes) in enumerate(zip(flats, shards)):
+        local = a.source if isinstance(a.source, torch.Tensor) else from_numpy(np.ascontiguousarray(a.source), a.dtype)
+        local = local.detach()
+        names = _flat_names(a, spec)
+        writes, to_send = _flat.save_plan(spec, mesh, comm.rank, shard_shapes)
+        for send in to_send:
+            sends.append((send.to, tag, local[send.lo : send.hi].contiguous()))
+        for w in writes:
+            shape = _plan.box_shape(w.box)
+            if len(w.parts) == 1 and w.parts[0].rank == comm.rank:
+                part = w.parts[0]
+                out.append((names[w.param], w.box, local[part.src : part.src + w.size].view(shape)))
+                continue
+            buf = torch.empty(w.size, dtype=local.dtype, device=local.device)
+            for part in w.parts:
+                if part.rank == comm.rank:
+                    buf[part.lo : part.hi].copy_(local[part.src : part.src + part.hi - part.lo])
+                else:
+                    recvs.append((part.rank, tag, buf[part.lo : part.hi]))
+            out.append((names[w.param], w.box, buf.view(shape)))
+    comm.exchange(sends, recvs)
+    return out
 
 
 def _quietly(fn: Any) -> Any:
@@ -442,9 +539,9 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     written = 0
     try:
         ctx = _store.context(job.concurrency)
-        opened = {i: _store.open_array(ctx, job.tmp, job.metas[job.arrays[i].name]) for i, _ in job.mine}
-        for (i, box), item in zip(job.mine, items):
-            store = opened[i].result()
+        opened = {n: _store.open_array(ctx, job.tmp, job.metas[n]) for n in dict.fromkeys(n for n, _ in job.mine)}
+        for (name, box), item in zip(job.mine, items):
+            store = opened[name].result()
             data = item.wait()
             target = store[tuple(slice(a, b) for a, b in box)] if box else store
             w = target.write(data, can_reference_source_data_indefinitely=True)

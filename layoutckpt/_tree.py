@@ -192,3 +192,56 @@ def retarget(structure: Any, targets: Mapping[str, str]) -> Any:
         return node
 
     return walk(structure, "")
+
+
+def nested(prefix: str, names: list[str]) -> Any:
+    """A tree node of nested dicts whose array leaves are ``prefix.name`` for every dotted name."""
+    root: dict[str, Any] = {}
+    for name in names:
+        node = root
+        parts = name.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise InvalidNameError(f"array {prefix}.{name!r} lies under another array; rename one of them")
+        if parts[-1] in node:
+            raise InvalidNameError(f"array {prefix}.{name!r} is also the parent of other arrays; rename one of them")
+        node[parts[-1]] = f"{prefix}.{name}"
+
+    def build(node: Any) -> Any:
+        if isinstance(node, str):
+            return {"array": node}
+        return {"dict": [[k, build(v)] for k, v in node.items()]}
+
+    return build(root)
+
+
+def replace_leaf(structure: Any, target: str, replacement: Any) -> Any:
+    """The tree with the leaf named ``target`` replaced by the node ``replacement``."""
+
+    def walk(node: Any, name: str) -> Any:
+        if "dict" in node:
+            return {"dict": [[k, walk(child, _join(name, str(k)))] for k, child in node["dict"]]}
+        for kind in ("list", "tuple"):
+            if kind in node:
+                return {kind: [walk(child, _join(name, str(i))) for i, child in enumerate(node[kind])]}
+        return replacement if name == target else node
+
+    return walk(structure, "")
+
+
+def collapse(structure: Any, chosen: Callable[[str], bool]) -> Any:
+    """The tree with every inner node whose name is ``chosen`` turned into one leaf of that name."""
+
+    def walk(node: Any, name: str) -> Any:
+        inner = "dict" in node or "list" in node or "tuple" in node
+        if inner and name and chosen(name):
+            return {"flat": name}
+        if "dict" in node:
+            return {"dict": [[k, walk(child, _join(name, str(k)))] for k, child in node["dict"]]}
+        for kind in ("list", "tuple"):
+            if kind in node:
+                return {kind: [walk(child, _join(name, str(i))) for i, child in enumerate(node[kind])]}
+        return node
+
+    return walk(structure, "")
