@@ -98,13 +98,16 @@ def spec_of(dt: Any, mesh: Mesh, name: str) -> P:
     for m, placement in enumerate(dt.placements):
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, Shard):
+        # _StridedShard subclassed Shard in older torch; in newer torch (2.13) it does not.
+        strided = isinstance(placement, _StridedShard)
+        if not (strided or isinstance(placement, Shard)):
             raise LayoutError(
-                f"array {name!r}: its DTensor has placement {placement} on mesh dimension {m}; a Partial "
-                "DTensor holds values pending a reduction, not shards of the array. Call "
-                "dt.redistribute(placements=[Replicate() or Shard(d) ...]) before saving it"
+                f"array {name!r}: its DTensor has placement {placement} on mesh dimension {m}, which is "
+                "neither a Shard nor a Replicate; a Partial DTensor holds values pending a reduction, not "
+                "shards of the array. Call dt.redistribute(placements=[Replicate() or Shard(d) ...]) "
+                "before saving it"
             )
-        split = placement.split_factor if isinstance(placement, _StridedShard) else 1
+        split = placement.split_factor if strided else 1
         per_dim[placement.dim].append((_root_axes_of(device_mesh, m, mesh, name), int(split)))
     entries: list[tuple[str, ...]] = []
     for d, splits in enumerate(per_dim):
