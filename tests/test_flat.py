@@ -15,7 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import layoutckpt as lc
@@ -196,22 +196,16 @@ def test_flat_round_trips_into_other_flat_partitions_and_per_parameter(ranks: Ra
 
 
 def per_param_save(rank: int, group, path: str, full, axes):
+    """An ordinary per-parameter save: every parameter split by rows over ``dp``."""
     mesh = lc.Mesh(axes)
-    layout = lc.Layout(mesh, [(r".*", lc.P("dp"))])
-    state = {"opt": {"exp_avg": {}}}
+    state: dict = {}
     for name, array in full.items():
-        t = torch.from_numpy(array)
-        local = t.chunk(mesh.size)[rank] if t.ndim and rank < len(t.chunk(mesh.size)) else t
-        if t.ndim == 0:
-            layout = lc.Layout(mesh, [(rf"\.{name}$", lc.P()), *layout.rules])
-        elif rank >= len(t.chunk(mesh.size)):
-            local = t[t.shape[0] :]
-        node = state["opt"]["exp_avg"]
-        parts = name.split(".")
-        for part in parts[:-1]:
+        node = state.setdefault("opt", {}).setdefault("exp_avg", {})
+        *parents, last = name.split(".")
+        for part in parents:
             node = node.setdefault(part, {})
-        node[parts[-1]] = local.clone()
-    lc.save(path, state, layout, group=group)
+        node[last] = torch.from_numpy(array).chunk(mesh.size)[rank].clone()
+    lc.save(path, state, lc.Layout(mesh, [(r".*", lc.P("dp"))]), group=group)
 
 
 def test_per_parameter_save_loads_as_flat_buffers(ranks: RankPool, tmp_path) -> None:
@@ -245,3 +239,51 @@ def test_flat_declaration_errors() -> None:
         lc.Flat([("a", (2,))], "dp", bounds=[1, 2])
     with pytest.raises(lc.LayoutError, match="axis 'tp'"):
         lc.Layout(lc.Mesh({"dp": 2}), [("x", lc.Flat([("a", (2,))], "tp"))])
+
+
+@st.composite
+def partitions(draw, total: int):
+    pieces = draw(st.integers(1, 4))
+    if draw(st.booleans()):
+        return pieces, None
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=pieces - 1, max_size=pieces - 1)))
+    return pieces, [0, *cuts, total + draw(st.integers(0, 2))]
+
+
+@settings(max_examples=8)
+@given(data=st.data())
+def test_random_flat_partitions_round_trip_on_real_ranks(ranks: RankPool, tmp_path_factory, data) -> None:
+    params, *_ = data.draw(flat_cases())
+    total = sum(math.prod(s) for _, s in params)
+    k_save, b_save = data.draw(partitions(total))
+    k_load, b_load = data.draw(partitions(total))
+    full = random_full(params, data.draw(st.integers(0, 2**16)))
+    path = os.fspath(tmp_path_factory.mktemp("flat") / "ck")
+    ranks.run(save_flat, k_save, path, full, params, {"dp": k_save}, b_save, False)
+    got = ranks.run(load_flat, k_load, path, params, {"dp": k_load}, b_load, True)
+    flat = lc.Flat(params, "dp", bounds=b_load)
+    for rank, buf in enumerate(got):
+        np.testing.assert_array_equal(buf, local_buffer(full, flat, lc.Mesh({"dp": k_load}), rank))
+    per_param = lc.open(path)
+    for name, _ in params:
+        np.testing.assert_array_equal(per_param.read(f"opt.exp_avg.{name}"), full[name])
+
+
+def save_flat_async(rank: int, group, path: str, full, params, axes):
+    mesh = lc.Mesh(axes)
+    flat = lc.Flat(params, "dp")
+    layout = lc.Layout(mesh, [(r"^opt\.exp_avg$", flat), (r".*", lc.P())])
+    buf = torch.from_numpy(local_buffer(full, flat, mesh, rank))
+    fut = lc.save_async(path, {"opt": {"exp_avg": buf}}, layout, group=group)
+    buf.fill_(float("nan"))  # the optimizer steps on: the save must own its copy
+    fut.result()
+
+
+def test_flat_save_async_owns_its_copy(ranks: RankPool, tmp_path) -> None:
+    params = [("a", (33, 5)), ("b", (7,))]
+    full = random_full(params, 3)
+    path = os.fspath(tmp_path / "ck")
+    ranks.run(save_flat_async, 3, path, full, params, {"dp": 3})
+    rd = lc.open(path)
+    for name, _ in params:
+        np.testing.assert_array_equal(rd.read(f"opt.exp_avg.{name}"), full[name])
