@@ -15,8 +15,8 @@ from ._errors import NewerFormatError as NewerFormatError
 from ._errors import SaveError as SaveError
 from ._errors import TemplateMismatchError as TemplateMismatchError
 from ._errors import WorldSizeError as WorldSizeError
-from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._flat import Flat as Flat
+from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._futures import LoadFuture as LoadFuture
 from ._futures import SaveFuture as SaveFuture
 from ._layout import Layout as Layout

@@ -8,6 +8,7 @@ other world sizes, and per parameter, bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections import Counter
@@ -68,7 +69,7 @@ def test_every_row_block_has_one_writer_and_every_part_one_sender(case) -> None:
             writers[(w.param, w.box)] += 1
             covered = sorted((p.lo, p.hi) for p in w.parts)
             assert covered[0][0] == 0 and covered[-1][1] == w.size
-            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "parts tile the block"
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(covered)), "parts tile the block"
             for p in w.parts:
                 if p.rank != rank:
                     received[(p.rank, rank, p.hi - p.lo)] += 1
@@ -102,7 +103,7 @@ def test_load_plan_fills_exactly_the_range(case) -> None:
         spans = sorted((r.dst, r.dst + r.hi - r.lo) for r in reads)
         filled = sum(b - a for a, b in spans)
         assert filled == max(0, min(stop, total) - min(start, total))
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 # ---- real ranks ----------------------------------------------------------------------------
