@@ -155,7 +155,7 @@ class CheckpointManager:
         self,
         step: int,
         state: Any,
-        layout: Layout,
+        layout: Layout | None = None,
         *,
         metadata: Mapping[str, Any] | None = None,
         rank_state: Any = None,
@@ -165,7 +165,8 @@ class CheckpointManager:
         """Save ``state`` as ``step``; asynchronous unless the manager was made with ``async_save=False``.
 
         Returns a ``SaveFuture`` (already done for a synchronous save). Retention runs after the
-        commit, in the background.
+        commit, in the background. ``layout`` may be left out for a state of DTensors (such as
+        ``lc.get_state(model, optimizer)``) or of whole tensors.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -234,6 +235,20 @@ class CheckpointManager:
         """Load ``step`` (default: the latest committed) under ``layout``; see ``lc.load``."""
         path = self._resolve(step)
         return load(path, layout, like=like, select=select, strict=strict, group=self._group, **options)
+
+    def load_state(
+        self,
+        model: Any,
+        optimizer: Any = None,
+        layout: Layout | None = None,
+        *,
+        step: int | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        """Restore ``model`` (and ``optimizer``) from ``step`` (default: the latest); see ``lc.load_state``."""
+        from ._training import load_state
+
+        return load_state(self._resolve(step), model, optimizer, layout, group=self._group, **options)
 
     def load_rank_state(self, step: int | None = None, *, redistribute: Any = None) -> Any:
         return load_rank_state(self._resolve(step), group=self._group, redistribute=redistribute)
