@@ -28,6 +28,8 @@ from ._plan import shard_box as shard_box
 from ._reader import ArrayInfo as ArrayInfo
 from ._reader import Reader as Reader
 from ._reader import open as open  # noqa: A004 - the verb of the API
+from ._safetensors import export_safetensors as export_safetensors
+from ._safetensors import import_safetensors as import_safetensors
 from ._save import SaveResult as SaveResult
 from ._save import save as save
 from ._save import save_async as save_async
