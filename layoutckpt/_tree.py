@@ -178,22 +178,6 @@ def leaf_nodes(structure: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
     yield from walk(structure, "")
 
 
-def retarget(structure: Any, targets: Mapping[str, str]) -> Any:
-    """The tree with the array leaves named in ``targets`` pointing at another stored array."""
-
-    def walk(node: Any, name: str) -> Any:
-        if "dict" in node:
-            return {"dict": [[k, walk(child, _join(name, str(k)))] for k, child in node["dict"]]}
-        for kind in ("list", "tuple"):
-            if kind in node:
-                return {kind: [walk(child, _join(name, str(i))) for i, child in enumerate(node[kind])]}
-        if "array" in node and name in targets:
-            return {"array": targets[name]}
-        return node
-
-    return walk(structure, "")
-
-
 def nested(prefix: str, names: list[str]) -> Any:
     """A tree node of nested dicts whose array leaves are ``prefix.name`` for every dotted name."""
     root: dict[str, Any] = {}
@@ -216,27 +200,16 @@ def nested(prefix: str, names: list[str]) -> Any:
     return build(root)
 
 
-def replace_leaf(structure: Any, target: str, replacement: Any) -> Any:
-    """The tree with the leaf named ``target`` replaced by the node ``replacement``."""
+def rewrite(structure: Any, visit: Callable[[Mapping[str, Any], str], Any]) -> Any:
+    """The tree with every node for which ``visit(node, name)`` returns a node replaced by it.
 
-    def walk(node: Any, name: str) -> Any:
-        if "dict" in node:
-            return {"dict": [[k, walk(child, _join(name, str(k)))] for k, child in node["dict"]]}
-        for kind in ("list", "tuple"):
-            if kind in node:
-                return {kind: [walk(child, _join(name, str(i))) for i, child in enumerate(node[kind])]}
-        return replacement if name == target else node
+    Nodes for which it returns None are kept, and their children visited.
+    """
 
-    return walk(structure, "")
-
-
-def collapse(structure: Any, chosen: Callable[[str], bool]) -> Any:
-    """The tree with every inner node whose name is ``chosen`` turned into one leaf of that name."""
-
-    def walk(node: Any, name: str) -> Any:
-        inner = "dict" in node or "list" in node or "tuple" in node
-        if inner and name and chosen(name):
-            return {"flat": name}
+    def walk(node: Mapping[str, Any], name: str) -> Any:
+        new = visit(node, name)
+        if new is not None:
+            return new
         if "dict" in node:
             return {"dict": [[k, walk(child, _join(name, str(k)))] for k, child in node["dict"]]}
         for kind in ("list", "tuple"):
@@ -245,3 +218,26 @@ def collapse(structure: Any, chosen: Callable[[str], bool]) -> Any:
         return node
 
     return walk(structure, "")
+
+
+def retarget(structure: Any, targets: Mapping[str, str]) -> Any:
+    """The tree with the array leaves named in ``targets`` pointing at another stored array."""
+    return rewrite(
+        structure, lambda node, name: {"array": targets[name]} if "array" in node and name in targets else None
+    )
+
+
+def replace_leaf(structure: Any, target: str, replacement: Any) -> Any:
+    """The tree with the leaf named ``target`` replaced by the node ``replacement``."""
+    return rewrite(structure, lambda node, name: replacement if name == target and _is_leaf(node) else None)
+
+
+def collapse(structure: Any, chosen: Callable[[str], bool]) -> Any:
+    """The tree with every inner node whose name is ``chosen`` turned into one leaf of that name."""
+    return rewrite(
+        structure, lambda node, name: {"flat": name} if name and not _is_leaf(node) and chosen(name) else None
+    )
+
+
+def _is_leaf(node: Mapping[str, Any]) -> bool:
+    return not ("dict" in node or "list" in node or "tuple" in node)
