@@ -12,8 +12,7 @@ import itertools
 import json
 import math
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,10 @@ import numpy as np
 
 from . import _plan, _store
 from ._dtypes import numpy_dtype
-from ._errors import FormatError, InvalidNameError
+from ._errors import FormatError, InvalidNameError, LayoutError
 from ._format import COMPRESSIONS, ArrayMeta, CheckpointMeta, root_document
 from ._layout import Layout
+from ._load import Select, _selector
 from ._plan import Box
 from ._reader import Reader
 from ._safetensors_format import (
@@ -38,7 +38,7 @@ from ._safetensors_format import (
 )
 from ._save import _check_destination, _check_user_metadata, _write_skeleton
 from ._shardfile import chunk_key, grid_cells, inner_boxes, write_shard
-from ._spec import check_spec
+from ._spec import P, check_spec
 from ._tree import check_no_prefix_clash, name_to_path
 from ._version import __version__
 
@@ -50,7 +50,6 @@ READS_IN_FLIGHT = 4
 # transformers refuses files whose metadata lacks a known "format"; "pt" is what it writes.
 FILE_METADATA = {"format": "pt"}
 
-Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
 Sources = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
@@ -139,22 +138,14 @@ def chunk_pieces(
 
 
 def _selected(rd: Reader, select: Select) -> list[str]:
-    stored = rd.keys()
-    if select is None:
-        return stored
-    if isinstance(select, str | re.Pattern):
-        regex = re.compile(select)
-        return [n for n in stored if regex.search(n)]
-    if callable(select):
-        return [n for n in stored if select(n)]
-    wanted = set(select)
-    unknown = sorted(wanted - set(stored))
-    if unknown:
+    try:
+        keep = _selector(select, rd.keys())
+    except KeyError as err:
         raise KeyError(
-            f"select= names {unknown[:5]}, which are not stored arrays of checkpoint {rd.path!r} (JSON "
-            "values are not exported, and a tied weight under its first name only); rd.keys() lists them"
-        )
-    return [n for n in stored if n in wanted]
+            f"{err.args[0]} (JSON values are not exported, and a tied weight only under its first name); "
+            "rd.keys() lists the arrays"
+        ) from None
+    return [n for n in rd.keys() if keep is None or n in keep]
 
 
 def export_safetensors(
@@ -405,6 +396,11 @@ def import_safetensors(
         except InvalidNameError as err:
             raise InvalidNameError(f"{h.path}: {err}") from None
         spec = layout.spec_for(name)
+        if not isinstance(spec, P):
+            raise LayoutError(
+                f"array {name!r}: the layout gives it {spec!r}, but imported tensors are whole arrays; "
+                "give it a P(...) rule (a flat buffer's parameters are stored per parameter anyway)"
+            )
         check_spec(spec, layout.mesh, len(t.shape), name, t.shape)
         outer = _plan.shard_shape(t.shape, spec, layout.mesh)
         inner = _plan.inner_chunk_shape(outer, numpy_dtype(t.dtype).itemsize, inner_chunk_bytes)
@@ -414,7 +410,7 @@ def import_safetensors(
         arrays=arrays,
         tree={"dict": [[name, {"array": name}] for name in arrays]},
         mesh=layout.mesh,
-        rules=layout.rules,
+        rules=layout.spec_rules,
         step=step,
         user_metadata=dict(metadata or {}),
         library_version=__version__,
