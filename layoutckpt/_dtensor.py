@@ -61,6 +61,10 @@ def world_mesh(device_mesh: Any, group_ranks: Sequence[int], name: str) -> Mesh:
 
 def _root_axes_of(device_mesh: Any, dim: int, root_mesh: Mesh, name: str) -> tuple[str, ...]:
     """The root axes (major to minor) that sub-mesh dimension ``dim`` runs along."""
+    names = device_mesh.mesh_dim_names
+    if device_mesh.size(dim) == 1:
+        # Nothing varies along it; keep its name when the root has it, so the spec says it.
+        return (names[dim],) if names and names[dim] in root_mesh.axis_names else ()
     root_ranks = [int(r) for r in _root(device_mesh).mesh.flatten().tolist()]
     position = {r: i for i, r in enumerate(root_ranks)}
     coord = device_mesh.get_coordinate()

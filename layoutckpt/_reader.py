@@ -113,7 +113,7 @@ class Reader:
             shard_shape=a.shard_shape,
             inner_chunk_shape=a.inner_chunk_shape,
             spec=a.spec,
-            saved_mesh=self.meta.mesh,
+            saved_mesh=a.mesh or self.meta.mesh,
             kind=a.kind,
             compression=a.compression,
         )

@@ -169,6 +169,13 @@ def resume_fsdp2(rank: int, world: int, out: Path) -> dict[str, Any]:
     by_lc = lc.load(out / "ckpt", like=fresh_state())
     result["dcp"] = _full(by_dcp)
     result["lc"] = _full(by_lc)
+    # In place: the template's own DTensors are filled and given back.
+    target = fresh_state()
+    filled = lc.load(out / "ckpt", like=target, inplace=True)
+    result["inplace"] = _full(filled)
+    result["inplace_same_objects"] = all(filled["model"][n] is t for n, t in target["model"].items()) and all(
+        filled["optim"]["state"][p]["exp_avg"] is s["exp_avg"] for p, s in target["optim"]["state"].items()
+    )
     return result
 
 
@@ -325,6 +332,13 @@ def test_dcp_and_layoutckpt_load_the_same_tensors(fsdp2: dict[str, Any]) -> None
         assert torch.equal(_bits(by_lc[name]), _bits(by_dcp[name])), name
 
 
+def test_inplace_load_fills_the_template_dtensors(fsdp2: dict[str, Any]) -> None:
+    assert fsdp2["inplace_same_objects"]
+    for name, value in fsdp2["dcp"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(_bits(fsdp2["inplace"][name]), _bits(value)), name
+
+
 def test_resume_tensor_parallel_on_two_ranks(trained: tuple[Path, dict[str, Any]]) -> None:
     out, ref = trained
     result = _spawn(resume_tp2, 2, out)
@@ -391,3 +405,24 @@ def test_resume_in_one_plain_process(trained: tuple[Path, dict[str, Any]]) -> No
     finally:
         torch.set_num_threads(threads)
     _assert_resumed(result, ref, exact=True)
+
+
+def test_a_dtensor_on_its_own_mesh_records_that_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout's mesh names the plain tensors; a DTensor keeps the mesh its placements name."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        w = distribute_tensor(torch.arange(12.0).reshape(4, 3), _mesh((1,), ("dp",)), [Shard(0)])
+        layout = lc.Layout(lc.Mesh({"tp": 1}), [(r"^x$", lc.P("tp"))])
+        lc.save(tmp_path / "ck", {"w": w, "x": torch.ones(5)}, layout)
+        rd = lc.open(tmp_path / "ck")
+        assert rd.info("w").saved_mesh == lc.Mesh({"dp": 1}) and rd.info("w").spec == lc.P("dp")
+        assert rd.info("x").saved_mesh == lc.Mesh({"tp": 1}) and rd.info("x").spec == lc.P("tp")
+        assert rd.meta.arrays["x"].mesh is None  # the root's mesh is not repeated per array
+        back = lc.load(tmp_path / "ck", like={"w": w, "x": torch.zeros(5)})
+        assert torch.equal(back["w"].full_tensor(), w.full_tensor()) and back["w"].placements == (Shard(0),)
+    finally:
+        dist.destroy_process_group()
