@@ -269,7 +269,9 @@ def _check_tree_matches(tree: Any, arrays: Mapping[str, ArrayMeta], where: str) 
 
 def root_document(meta: CheckpointMeta) -> bytes:
     doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: meta.to_dict()}}
-    return json.dumps(doc, indent=1, allow_nan=False).encode()
+    # Compact: opening a checkpoint reads this document, and indentation doubles its size (and
+    # makes json use its pure-Python encoder: 18 ms instead of 7 for a model of 450 arrays).
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def group_document() -> bytes:
