@@ -11,6 +11,7 @@ tail smaller or empty. That is also a regular chunk grid, so a box is exactly on
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -128,17 +129,110 @@ class ArraySpec:
 
 
 def _piece_ids(a: ArraySpec, mesh: Mesh, coords: np.ndarray) -> np.ndarray:
-    """For every row of mesh coordinates, the index of the piece (distinct box) it holds."""
+    """For every row of mesh coordinates, the index of the piece (distinct box) it holds.
+
+    Pieces are numbered row-major over the dimensions' piece indices: the spec's axes, in
+    order, are the digits.
+    """
     ids = np.zeros(len(coords), dtype=np.int64)
-    for entry in a.spec.padded(len(a.shape)):
-        for axis in entry_axes(entry):
-            ids = ids * mesh.axis_size(axis) + coords[:, mesh.axis_names.index(axis)]
+    for axis in a.spec.axes:
+        ids = ids * mesh.axis_size(axis) + coords[:, mesh.axis_names.index(axis)]
     return ids
+
+
+def _piece_index(spec: P, mesh: Mesh, coords: dict[str, int]) -> int:
+    """The index of the piece a rank with these coordinates holds (one row of ``_piece_ids``)."""
+    index = 0
+    for axis in spec.axes:
+        index = index * mesh.axis_size(axis) + coords[axis]
+    return index
 
 
 def _mesh_coords(mesh: Mesh) -> np.ndarray:
     grid = np.indices([size for _, size in mesh.axes], dtype=np.int64)
     return grid.reshape(len(mesh.axes), mesh.size).T
+
+
+def _replicas(mesh: Mesh, axes: tuple[str, ...]) -> np.ndarray:
+    """A (pieces, replicas) array: row ``p`` lists, ascending, the ranks holding piece ``p`` of
+    an array whose spec names ``axes`` (in this order) on ``mesh``.
+
+    Ranks are row-major over the mesh axes; moving the spec's axes to the front, in spec
+    order, makes the piece index the leading digits and leaves the replicas' ranks ascending.
+    """
+    names = mesh.axis_names
+    sizes = [size for _, size in mesh.axes]
+    pieces = math.prod(mesh.axis_size(axis) for axis in axes)
+    order = [names.index(axis) for axis in axes] + [d for d, name in enumerate(names) if name not in axes]
+    return np.arange(mesh.size, dtype=np.int64).reshape(sizes).transpose(order).reshape(pieces, -1)
+
+
+def _piece_bytes(a: ArraySpec, mesh: Mesh) -> np.ndarray:
+    """The bytes of every piece of ``a``, by piece index (see ``_piece_ids``)."""
+    nbytes = np.full(1, a.itemsize, dtype=np.int64)
+    for n, k in zip(a.shape, split_counts(len(a.shape), a.spec, mesh)):
+        starts = np.minimum(np.arange(k, dtype=np.int64) * -(-n // k), n)
+        lengths = np.minimum(starts + -(-n // k), n) - starts
+        nbytes = np.multiply.outer(nbytes, lengths).reshape(-1)
+    return nbytes
+
+
+def _assign(arrays: tuple[ArraySpec, ...], mesh: Mesh) -> tuple[np.ndarray, ...]:
+    """For every array, the writer of each piece (by piece index; -1 for empty pieces).
+
+    The rule of ``assign_writers``, computed a block at a time: a block is the pieces of one
+    array that have one size, and the global order (size descending, array order, piece index)
+    is the order of the blocks with each block's pieces in index order. The pieces of one array
+    have disjoint replica sets, so each choice in a block reads and changes the loads of its
+    own replicas only: choosing them all at once from the loads before the block gives what
+    choosing them one by one would.
+    """
+    replicas: dict[tuple[Mesh, tuple[str, ...]], np.ndarray] = {}
+    sizes: dict[tuple[tuple[int, ...], P, int, Mesh], tuple[np.ndarray, np.ndarray]] = {}
+    members, nbytes, blocks = [], [], []
+    for index, a in enumerate(arrays):
+        m = a.mesh or mesh
+        key = (m, a.spec.axes)
+        if key not in replicas:
+            replicas[key] = _replicas(m, a.spec.axes)
+        members.append(replicas[key])
+        shape = (tuple(a.shape), a.spec, a.itemsize, m)
+        if shape not in sizes:
+            piece_bytes = _piece_bytes(a, m)
+            sizes[shape] = piece_bytes, np.unique(piece_bytes)
+        piece_bytes, distinct = sizes[shape]
+        nbytes.append(piece_bytes)
+        blocks += [(-size, index, len(distinct) == 1) for size in distinct.tolist() if size > 0]
+    blocks.sort()
+    loads = np.zeros(mesh.size, dtype=np.int64)
+    # int32: ranks fit, and a fully sharded state has as many pieces as arrays times ranks.
+    writers = [np.full(len(b), -1, dtype=np.int32) for b in nbytes]
+    for neg_size, index, whole in blocks:
+        ids = slice(None) if whole else nbytes[index] == -neg_size
+        group = members[index][ids]
+        if group.shape[1] == 1:
+            chosen = group[:, 0]
+        else:
+            # argmin takes the first least-loaded replica: rows are ascending, so the lowest rank.
+            chosen = group[np.arange(len(group)), loads[group].argmin(axis=1)]
+        loads[chosen] -= neg_size
+        writers[index][ids] = chosen
+    for w in writers:
+        w.flags.writeable = False
+    return tuple(writers)
+
+
+# Saves of the same state plan the same assignment again; a process planning for many ranks
+# (tests, benchmarks, tools) computes it once.
+_writers_by_piece = functools.lru_cache(maxsize=4)(_assign)
+
+
+def _writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> tuple[np.ndarray, ...]:
+    key = tuple(arrays)
+    try:
+        return _writers_by_piece(key, mesh)
+    except TypeError:  # unhashable fields (a list for a shape): plan without the cache
+        return _assign(key, mesh)
 
 
 def assign_writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[np.ndarray]:
@@ -148,36 +242,31 @@ def assign_writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[np.ndarray]:
     (ties by array order, then piece index) and each goes to its least-loaded replica (ties to
     the lowest rank). Empty pieces have no writer (-1).
     """
-    coords = {mesh: _mesh_coords(mesh)}
-    pieces: list[tuple[int, int, int, np.ndarray]] = []
-    for index, a in enumerate(arrays):
+    coords: dict[Mesh, np.ndarray] = {}
+    out = []
+    for a, by_piece in zip(arrays, _writers(arrays, mesh)):
         m = a.mesh or mesh
         if m not in coords:
             coords[m] = _mesh_coords(m)
-        ids = _piece_ids(a, m, coords[m])
-        order = np.argsort(ids, kind="stable")
-        bounds = np.flatnonzero(np.diff(ids[order])) + 1
-        for group in np.split(order, bounds):
-            size = box_size(shard_box(a.shape, a.spec, m, int(group[0]))) * a.itemsize
-            if size > 0:
-                pieces.append((-size, index, int(ids[group[0]]), group))
-    pieces.sort(key=lambda p: p[:3])
-    loads = np.zeros(mesh.size, dtype=np.int64)
-    writers = [np.full(mesh.size, -1, dtype=np.int64) for _ in arrays]
-    for neg_size, index, _, group in pieces:
-        rank = int(group[np.argmin(loads[group])])
-        loads[rank] -= neg_size
-        writers[index][group] = rank
-    return writers
+        out.append(by_piece[_piece_ids(a, m, coords[m])].astype(np.int64))
+    return out
 
 
 def writes_of(arrays: Sequence[ArraySpec], mesh: Mesh, rank: int) -> list[tuple[int, Box]]:
-    """(array index, box) of every piece that ``rank`` writes."""
-    return [
-        (index, shard_box(arrays[index].shape, arrays[index].spec, arrays[index].mesh or mesh, rank))
-        for index, writer in enumerate(assign_writers(arrays, mesh))
-        if writer[rank] == rank
-    ]
+    """(array index, box) of every piece that ``rank`` writes.
+
+    The assignment is global (every rank computes the same), but only this rank's entries
+    are looked up: planning costs memory in the number of pieces, not arrays times ranks.
+    """
+    coords: dict[Mesh, dict[str, int]] = {}
+    out = []
+    for index, (a, by_piece) in enumerate(zip(arrays, _writers(arrays, mesh))):
+        m = a.mesh or mesh
+        if m not in coords:
+            coords[m] = m.coords(rank)
+        if by_piece[_piece_index(a.spec, m, coords[m])] == rank:
+            out.append((index, shard_box(a.shape, a.spec, m, rank)))
+    return out
 
 
 def chunks_touched(box: Box, chunk: Sequence[int]) -> int:

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import layoutckpt as lc
@@ -353,6 +353,110 @@ def test_equal_replicated_arrays_spread_over_all_ranks(world, n, shape, itemsize
     assert set(counts) <= {n // mesh.size, -(-n // mesh.size)}
     loads = [c * math.prod(shape) * itemsize for c in counts]
     assert max(loads) - min(loads) <= math.prod(shape) * itemsize
+
+
+def reference_assign_writers(arrays, mesh):
+    """The first implementation of ``assign_writers``, kept as the oracle of the vectorized
+    one: a Python loop over pieces, each to its least-loaded replica at that moment."""
+    coords = {mesh: _plan._mesh_coords(mesh)}
+    pieces = []
+    for index, a in enumerate(arrays):
+        m = a.mesh or mesh
+        if m not in coords:
+            coords[m] = _plan._mesh_coords(m)
+        ids = _plan._piece_ids(a, m, coords[m])
+        order = np.argsort(ids, kind="stable")
+        bounds = np.flatnonzero(np.diff(ids[order])) + 1
+        for group in np.split(order, bounds):
+            size = _plan.box_size(_plan.shard_box(a.shape, a.spec, m, int(group[0]))) * a.itemsize
+            if size > 0:
+                pieces.append((-size, index, int(ids[group[0]]), group))
+    pieces.sort(key=lambda p: p[:3])
+    loads = np.zeros(mesh.size, dtype=np.int64)
+    writers = [np.full(mesh.size, -1, dtype=np.int64) for _ in arrays]
+    for neg_size, index, _, group in pieces:
+        rank = int(group[np.argmin(loads[group])])
+        loads[rank] -= neg_size
+        writers[index][group] = rank
+    return writers
+
+
+@st.composite
+def plan_inputs_on_own_meshes(draw, max_size=64):
+    """A mesh and 1-8 arrays, some on a mesh of their own of the same size (a DTensor's): the
+    same axes in another order, or the whole world on one axis."""
+    axes = draw(meshes(max_size))
+    size = mesh_size(axes)
+    own = [None, dict(draw(st.permutations(list(axes.items())))), {"dp": size}]
+    arrays = []
+    for i in range(draw(st.integers(1, 8))):
+        mesh_axes = draw(st.sampled_from(own))
+        shape = draw(shapes)
+        raw = draw(raw_specs(tuple(mesh_axes or axes), len(shape)))
+        itemsize = draw(st.sampled_from([1, 2, 4, 8]))
+        arrays.append(_plan.ArraySpec(f"a{i}", shape, lc.P(*raw), itemsize, mesh_axes and lc.Mesh(mesh_axes)))
+    return axes, arrays
+
+
+@given(st.one_of(plan_inputs(max_size=64), plan_inputs(max_size=64, same_spec=True), plan_inputs_on_own_meshes()))
+@example(  # equal pieces of several arrays on the same replicas: the order between arrays decides
+    (
+        {"dp": 3, "tp": 2},
+        [
+            _plan.ArraySpec("a", (5, 4), lc.P("tp"), 4),
+            _plan.ArraySpec("b", (4, 5), lc.P(None, "tp"), 4),
+            _plan.ArraySpec("c", (12,), lc.P(), 2),
+            _plan.ArraySpec("d", (7,), lc.P(("dp", "tp")), 8),
+        ],
+    )
+)
+@settings(max_examples=max(60, settings().max_examples))
+def test_writers_equal_the_reference_implementation(inputs):
+    axes, arrays = inputs
+    mesh = lc.Mesh(axes)
+    _plan._writers_by_piece.cache_clear()
+    want = reference_assign_writers(arrays, mesh)
+    got = _plan.assign_writers(arrays, mesh)
+    assert len(got) == len(want)
+    for a, g, w in zip(arrays, got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w), (a, g, w)
+    for rank in range(mesh.size):
+        wanted = [(i, _plan.shard_box(a.shape, a.spec, a.mesh or mesh, rank)) for i, a in enumerate(arrays)]
+        assert _plan.writes_of(arrays, mesh, rank) == [(i, box) for i, box in wanted if want[i][rank] == rank]
+
+
+def test_writers_are_not_shared_mutable_state():
+    """The cached assignment is handed out read-only or as fresh arrays: a caller scribbling on
+    its result cannot change the next plan."""
+    mesh = lc.Mesh({"dp": 4, "tp": 2})
+    arrays = [_plan.ArraySpec("w", (8, 8), lc.P("tp"), 4), _plan.ArraySpec("b", (8,), lc.P(), 4)]
+    first = _plan.assign_writers(arrays, mesh)
+    first[0][:] = 99
+    assert [w.tolist() for w in _plan.assign_writers(arrays, mesh)] == [
+        w.tolist() for w in reference_assign_writers(arrays, mesh)
+    ]
+    # A shape given as a list cannot key the cache; the plan is computed all the same.
+    listed = [_plan.ArraySpec("w", [8, 8], lc.P("tp"), 4)]  # type: ignore[arg-type]
+    assert _plan.writes_of(listed, mesh, 0) == [(0, ((0, 4), (0, 8)))]
+
+
+def test_planning_thousands_of_ranks_is_quick():
+    """A smoke check, not a benchmark (benchmarks/plan_scale.py has the numbers): one rank's
+    writes on a 4096-rank mesh, ~200 arrays of a dp x tp x pp model, planned from scratch."""
+    import time
+
+    mesh = lc.Mesh({"pp": 4, "dp": 128, "tp": 8})
+    specs = [lc.P("tp", None), lc.P(None, "tp"), lc.P(), lc.P(("tp", "dp"), None), lc.P("pp", "dp", "tp")]
+    arrays = [
+        _plan.ArraySpec(f"a{i}", (8 * (i % 3) + 3, 4096, 4096)[-len(spec) - 1 :], spec, 2 + 2 * (i % 2))
+        for i, spec in enumerate(specs * 40)
+    ]
+    _plan._writers_by_piece.cache_clear()
+    start = time.perf_counter()
+    mine = _plan.writes_of(arrays, mesh, 4095)
+    seconds = time.perf_counter() - start
+    assert seconds < 5, seconds  # about 0.02 s on one core; generous for loaded CI machines
+    assert all(arrays[i].spec != lc.P() or box == tuple((0, n) for n in arrays[i].shape) for i, box in mine)
 
 
 # ----------------------------------------------------------------------------- inner chunks
