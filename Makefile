@@ -1,5 +1,6 @@
 # Two commands set everything up and run it:  make demo  and  make test.
 # Both create .venv (Python 3.11) and install layoutckpt with its test tools on first use.
+# make bench adds the benchmark's extras (matplotlib, safetensors) and runs benchmarks/bench.py.
 
 PYTHON ?= python3.11
 VENV := .venv
@@ -8,8 +9,11 @@ BIN := $(VENV)/bin
 # resolving an unpinned torch (and gigabytes of CUDA libraries).
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+# Extra options for benchmarks/bench.py, e.g.  make bench BENCH_ARGS='--gb 0.5 --ranks 2'
+BENCH_ARGS ?=
 
-.PHONY: venv demo test
+.PHONY: venv demo test bench
 
 venv: $(STAMP)
 
@@ -26,3 +30,10 @@ test: venv
 	$(BIN)/ruff check layoutckpt tests examples
 	$(BIN)/ruff format --check layoutckpt tests examples
 	$(BIN)/python -m pytest -q
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -e '.[test,bench]'
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/bench.py --json benchmarks/results/bench.json --plot benchmarks/results/bench.png $(BENCH_ARGS)

@@ -17,138 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-GB = 1e9
+from _common import GB, RULES, build_state, meminfo, model_dims, spec_of, stats
+from _common import dd as run_dd
+
 TARGETS = {  # ratio name -> (numerator row, denominator row, metric, bound)
     "save_async blocked / memcpy": ("lc_warm", "memcpy_warm", "blocked", 1.5),
     "save_async blocked / DCP async_save blocked": ("lc_warm", "dcp_async", "blocked", 0.5),
     "save_async total commit / raw write+fsync": ("lc_warm", "raw_write", "total", 1.2),
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# The state: local shards of a Llama-like model and its optimizer moments.
-
-
-def _model_dims(gb: float) -> dict[str, int]:
-    """Llama-like dimensions whose bf16 weights + two fp32 moments come to about ``gb`` GB."""
-    params = gb * GB / 10  # 2 bytes (bf16 weight) + 2 x 4 bytes (fp32 exp_avg, exp_avg_sq)
-    for hidden in (1024, 512, 256, 128, 64):
-        dims = dict(hidden=hidden, inter=round(2.75 * hidden / 64) * 64, kv=hidden // 4, head_dim=64)
-        dims["vocab"] = min(32000, 32 * hidden)
-        per_layer = _layer_params(dims)
-        fixed = 2 * dims["vocab"] * hidden + hidden
-        if fixed + 4 * per_layer <= params or hidden == 64:
-            dims["layers"] = max(1, round((params - fixed) / per_layer))
-            return dims
-    raise AssertionError("unreachable")
-
-
-def _layer_params(d: dict[str, int]) -> int:
-    h = d["hidden"]
-    return 2 * h * h + 2 * h * d["kv"] + 3 * h * d["inter"] + 2 * h + 2 * d["head_dim"]
-
-
-def _param_shapes(d: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Global parameter shapes, Hugging Face names (``nn.Linear`` weights are [out, in])."""
-    h, i, kv, hd = d["hidden"], d["inter"], d["kv"], d["head_dim"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d["vocab"], h)}
-    for layer in range(d["layers"]):
-        p = f"model.layers.{layer}"
-        shapes.update(
-            {
-                f"{p}.input_layernorm.weight": (h,),
-                f"{p}.self_attn.q_proj.weight": (h, h),
-                f"{p}.self_attn.k_proj.weight": (kv, h),
-                f"{p}.self_attn.v_proj.weight": (kv, h),
-                f"{p}.self_attn.o_proj.weight": (h, h),
-                f"{p}.self_attn.q_norm.weight": (hd,),
-                f"{p}.self_attn.k_norm.weight": (hd,),
-                f"{p}.post_attention_layernorm.weight": (h,),
-                f"{p}.mlp.gate_proj.weight": (i, h),
-                f"{p}.mlp.up_proj.weight": (i, h),
-                f"{p}.mlp.down_proj.weight": (h, i),
-            }
-        )
-    shapes["model.norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (d["vocab"], h)
-    return shapes
-
-
-# Megatron-style tensor parallelism (the rules of specs/llama_tp.toml, inlined so the benchmark
-# does not change when that file does). Patterns are searched anywhere in the name, so the
-# optimizer moments, kept as trees parallel to the model, get the spec of their parameter.
-RULES = [
-    (r"\.self_attn\.(q|k|v)_proj\.weight$", ("tp", None)),
-    (r"\.mlp\.(gate|up)_proj\.weight$", ("tp", None)),
-    (r"\.self_attn\.o_proj\.weight$", (None, "tp")),
-    (r"\.mlp\.down_proj\.weight$", (None, "tp")),
-    (r"(^|\.)(embed_tokens|lm_head)\.weight$", ("tp", None)),
-    (r".*", ()),
-]
-
-
-def _spec_of(name: str) -> tuple[Any, ...]:
-    return next(spec for pattern, spec in RULES if re.search(pattern, name))
-
-
-def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
-    """The ``i``-th of ``k`` pieces of ``range(n)`` as ``torch.chunk`` cuts it."""
-    piece = -(-n // k)
-    start = min(i * piece, n)
-    return start, min(start + piece, n)
-
-
-def _local_shape(shape: tuple[int, ...], spec: tuple[Any, ...], tp: int, rank: int) -> tuple[int, ...]:
-    out = []
-    for d, n in enumerate(shape):
-        split = d < len(spec) and spec[d] == "tp"
-        a, b = _chunk(n, tp, rank) if split else (0, n)
-        out.append(b - a)
-    return tuple(out)
-
-
-def _build_state(dims: dict[str, int], tp: int, rank: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
-    """This rank's nested state for layoutckpt, a flat ``{name: tensor}`` of the same tensors,
-    and the rank's bytes: all local, and those of sharded leaves only."""
-    import torch
-
-    gen = torch.Generator().manual_seed(1234 + rank)
-    flat: dict[str, Any] = {}
-    sharded = 0
-    for prefix, dtype in (
-        ("model", torch.bfloat16),
-        ("optim.exp_avg", torch.float32),
-        ("optim.exp_avg_sq", torch.float32),
-    ):
-        for name, shape in _param_shapes(dims).items():
-            spec = _spec_of(name)
-            t = torch.empty(_local_shape(shape, spec, tp, rank), dtype=dtype)
-            t.uniform_(-0.02, 0.02, generator=gen)  # touches every page
-            key = name if prefix == "model" else f"{prefix}.{name}"
-            flat[key] = t
-            if spec:
-                sharded += t.numel() * t.element_size()
-    flat["optim.step"] = torch.tensor([1000], dtype=torch.int64)
-    nested: dict[str, Any] = {}
-    for key, t in flat.items():
-        node = nested
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = t
-    local = sum(t.numel() * t.element_size() for t in flat.values())
-    return nested, flat, {"local": local, "sharded": sharded}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,14 +58,14 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> None:
     mesh = lc.Mesh({"tp": world})
     layout = lc.Layout(mesh, [(pat, lc.P(*spec)) for pat, spec in RULES])
     t0 = time.perf_counter()
-    state, flat, nbytes = _build_state(opts["dims"], world, rank)
+    state, flat, nbytes = build_state(opts["dims"], world, rank)
     build_s = time.perf_counter() - t0
     tensors = list(flat.values())
     # DCP state dict: each rank's local tensors as plain tensors. Sharded leaves get a
     # rank-specific key (DCP would otherwise keep one rank's shard and drop the others, as it
     # dedupes equal keys); replicated leaves keep their shared key, so DCP writes them once, as
     # layoutckpt does.
-    dcp_state = {(f"{k}.tp{rank}" if _spec_of(k) else k): t for k, t in flat.items()}
+    dcp_state = {(f"{k}.tp{rank}" if spec_of(k) else k): t for k, t in flat.items()}
 
     def barrier() -> None:
         dist.barrier()
@@ -293,7 +176,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> None:
     # every lc_cold starts from an empty staging pool, and lc_warm follows a save of the same
     # state, so its buffers come from the pool.
     per_rank: dict[str, list[dict[str, float]]] = {k: [] for k in ops}
-    meminfo_before = _meminfo()
+    meminfo_before = meminfo()
     load_before = os.getloadavg()
     for rep in range(repeats):
         for name, fn in ops.items():
@@ -303,7 +186,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> None:
     dd = None
     if rank == 0 and shutil.which("dd"):
         total_bytes = nbytes["local"] * world  # about the bytes of all ranks' raw writes
-        dd = _dd(os.path.join(work, "dd.bin"), total_bytes)
+        dd = run_dd(os.path.join(work, "dd.bin"), total_bytes)
     barrier()
 
     profile = None
@@ -323,7 +206,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> None:
             "build_s": max(g["build_s"] for g in gathered),
             "dd": dd,
             "meminfo_before": meminfo_before,
-            "meminfo_after": _meminfo(),
+            "meminfo_after": meminfo(),
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
             "profile": profile,
@@ -373,35 +256,6 @@ def _profile_one_save(rank: int, work: str, state: Any, layout: Any, prefix: str
     return files
 
 
-def _dd(path: str, nbytes: int) -> dict[str, Any]:
-    bs = 16 << 20
-    count = max(1, math.ceil(nbytes / bs))
-    cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "conv=fsync"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - t0
-    os.remove(path)
-    return {
-        "cmd": " ".join(cmd),
-        "bytes": bs * count,
-        "total": seconds,
-        "report": proc.stderr.strip().splitlines()[-1:],
-    }
-
-
-def _meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                if key in ("MemTotal", "MemAvailable", "Cached", "Dirty", "Writeback"):
-                    out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Reduction and the table.
 
@@ -410,10 +264,6 @@ def _series(per_rank: list[dict[str, list[dict[str, float]]]], op: str, metric: 
     """Per repeat, the maximum over ranks."""
     repeats = len(per_rank[0][op])
     return [max(r[op][i][metric] for r in per_rank) for i in range(repeats)]
-
-
-def _stats(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
 ROWS = [  # key, op, metric, bytes kind, label
@@ -444,7 +294,7 @@ def _summarize(raw: dict[str, Any]) -> dict[str, Any]:
     }
     rows = {}
     for key, op, metric, kind, label in ROWS:
-        s = _stats(_series(per_rank, op, metric))
+        s = stats(_series(per_rank, op, metric))
         s.update(label=label, bytes=byte_kinds[kind], gbps=byte_kinds[kind] / s["median"] / GB)
         rows[key] = s
     if raw.get("dd"):
@@ -539,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opts = {
         "ranks": args.ranks,
         "repeats": args.repeats,
-        "dims": _model_dims(args.gb),
+        "dims": model_dims(args.gb),
         "threads": args.threads or max(1, (os.cpu_count() or 1) // args.ranks),
         "workdir": workdir,
         "init_file": os.path.join(workdir, "init"),
