@@ -403,7 +403,8 @@ def import_safetensors(
             )
         check_spec(spec, layout.mesh, len(t.shape), name, t.shape)
         outer = _plan.shard_shape(t.shape, spec, layout.mesh)
-        inner = _plan.inner_chunk_shape(outer, numpy_dtype(t.dtype).itemsize, inner_chunk_bytes)
+        itemsize = numpy_dtype(t.dtype).itemsize
+        inner = _plan.inner_chunk_shape(outer, itemsize, _plan.chunk_target(outer, itemsize, inner_chunk_bytes))
         arrays[name] = ArrayMeta(storage_path, t.shape, t.dtype, outer, inner, spec, "torch", compression)
     check_no_prefix_clash(list(arrays))
     meta = CheckpointMeta(

@@ -300,7 +300,9 @@ def _start(
             shape=shape,
             dtype=a.dtype,
             shard_shape=outer,
-            inner_chunk_shape=_plan.inner_chunk_shape(outer, a.itemsize, inner_chunk_bytes),
+            inner_chunk_shape=_plan.inner_chunk_shape(
+                outer, a.itemsize, _plan.chunk_target(outer, a.itemsize, inner_chunk_bytes)
+            ),
             spec=spec,
             kind=a.kind,
             compression=compression,
@@ -318,7 +320,9 @@ def _start(
                 shape=shape,
                 dtype=a.dtype,
                 shard_shape=outer,
-                inner_chunk_shape=_plan.inner_chunk_shape(outer, a.itemsize, inner_chunk_bytes),
+                inner_chunk_shape=_plan.inner_chunk_shape(
+                    outer, a.itemsize, _plan.chunk_target(outer, a.itemsize, inner_chunk_bytes)
+                ),
                 spec=P(),
                 kind=a.kind,
                 compression=compression,
