@@ -93,15 +93,15 @@ class SaveFuture(_Future[Any]):
 class LoadFuture(_Future[T]):
     """A load whose reads are all in flight; ``result()`` waits for them and builds the state."""
 
-    def __init__(self, finish: Callable[[], T], reads: list[Any]) -> None:
+    def __init__(self, finish: Callable[[], T], reads: Any) -> None:
         super().__init__()
         self._finish = finish
-        self._reads = reads
+        self._reads = reads  # anything with done(): the reads under way
         self._lock = threading.Lock()
 
     def done(self) -> bool:
         """Whether every read has finished (``result()`` then only assembles the state)."""
-        return self._future.done() or all(r.done() for r in self._reads)
+        return self._future.done() or self._reads is None or self._reads.done()
 
     def result(self, timeout: float | None = None) -> T:
         with self._lock:
@@ -110,7 +110,7 @@ class LoadFuture(_Future[T]):
                     self._future.set_result(self._finish())
                 except BaseException as err:  # noqa: BLE001 - kept for every caller of result()
                     self._future.set_exception(err)
-                self._reads = []
+                self._reads = None
         return self._future.result(timeout)
 
 

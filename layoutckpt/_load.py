@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _flat, _plan, _rankstate, _store
+from . import _fetch, _flat, _plan, _rankstate, _store
 from ._dist import check_mesh, comm_for
 from ._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from ._dtypes import numpy_dtype
@@ -161,19 +161,23 @@ def load_async(
     complete = meta.all_chunks_stored
     boxes = list(targets.values()) + [key for _, _, parts in flats.values() for key, *_ in parts]
     opened = {s: _store.open_array(ctx, root, meta.arrays[s], all_chunks_stored=complete) for s, _ in boxes}
-    reads = {}
+    requests = []
     for key in dict.fromkeys(boxes):
         stored, box = key
-        store = opened[stored].result()
+        a = meta.arrays[stored]
         if _plan.box_size(box) > 0:
-            reads[key] = (store[tuple(slice(a, b) for a, b in box)] if box else store).read()
+            rows = a.inner_chunk_shape[0] if a.inner_chunk_shape else 1
+            requests.append(_fetch.Request(key, opened[stored].result(), box, numpy_dtype(a.dtype), rows, stored))
+    where = os.fspath(path)
+    fetcher = _fetch.Fetcher(requests, lambda future, name: _store.read_result(future, name, where))
+    reads = {r.key for r in requests}
     built: dict[tuple[str, _plan.Box], Any] = {}
 
     def shard(name: str) -> Any:
         stored, box = key = targets[name]
         a = meta.arrays[stored]
         if key in reads:
-            data = _store.read_result(reads[key], stored, os.fspath(path))
+            data = fetcher.result(key)
         else:
             data = np.zeros(_plan.box_shape(box), dtype=numpy_dtype(a.dtype))
         kind = a.kind
@@ -195,7 +199,7 @@ def load_async(
         length, dtype, parts = flats[name]
         buf = np.zeros(length, dtype=numpy_dtype(dtype))
         for key, lo, hi, dst in parts:
-            rows = _store.read_result(reads[key], key[0], os.fspath(path)).reshape(-1)
+            rows = fetcher.result(key).reshape(-1)
             buf[dst : dst + hi - lo] = rows[lo:hi]
         target = template.get(name)
         if isinstance(target, np.ndarray) or buf.size == 0:
@@ -236,7 +240,11 @@ def load_async(
             built[key] = t
         return built[key]
 
-    return LoadFuture(lambda: unflatten(structure, leaf, keep), list(reads.values()))
+    def finish() -> Any:
+        fetcher.join()
+        return unflatten(structure, leaf, keep)
+
+    return LoadFuture(finish, fetcher)
 
 
 def _plan_flat(
