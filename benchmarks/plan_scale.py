@@ -224,9 +224,7 @@ def save_plan(s: Scenario, got: Collected, rank: int) -> tuple[CheckpointMeta, l
         check_spec(spec, mesh, len(leaf.shape), leaf.name, leaf.shape)
         shape = _plan.global_shape_from_sums(leaf.name, spec, mesh, sums, mins, maxs)
         outer = _plan.shard_shape(shape, spec, mesh)
-        inner = _plan.inner_chunk_shape(
-            outer, leaf.itemsize, _plan.chunk_target(outer, leaf.itemsize, INNER_CHUNK_BYTES)
-        )
+        inner = _plan.chunk_shape_for(outer, leaf.itemsize, INNER_CHUNK_BYTES)
         metas[leaf.name] = ArrayMeta(name_to_path(leaf.name), shape, leaf.dtype, outer, inner, spec)
         plan_arrays.append(_plan.ArraySpec(leaf.name, shape, spec, leaf.itemsize))
     for pa in plan_arrays:  # the rank checks its own shard against the plan

@@ -404,7 +404,7 @@ def import_safetensors(
         check_spec(spec, layout.mesh, len(t.shape), name, t.shape)
         outer = _plan.shard_shape(t.shape, spec, layout.mesh)
         itemsize = numpy_dtype(t.dtype).itemsize
-        inner = _plan.inner_chunk_shape(outer, itemsize, _plan.chunk_target(outer, itemsize, inner_chunk_bytes))
+        inner = _plan.chunk_shape_for(outer, itemsize, inner_chunk_bytes)
         arrays[name] = ArrayMeta(storage_path, t.shape, t.dtype, outer, inner, spec, "torch", compression)
     check_no_prefix_clash(list(arrays))
     meta = CheckpointMeta(

@@ -300,9 +300,7 @@ def _start(
             shape=shape,
             dtype=a.dtype,
             shard_shape=outer,
-            inner_chunk_shape=_plan.inner_chunk_shape(
-                outer, a.itemsize, _plan.chunk_target(outer, a.itemsize, inner_chunk_bytes)
-            ),
+            inner_chunk_shape=_plan.chunk_shape_for(outer, a.itemsize, inner_chunk_bytes),
             spec=spec,
             kind=a.kind,
             compression=compression,
@@ -320,9 +318,7 @@ def _start(
                 shape=shape,
                 dtype=a.dtype,
                 shard_shape=outer,
-                inner_chunk_shape=_plan.inner_chunk_shape(
-                    outer, a.itemsize, _plan.chunk_target(outer, a.itemsize, inner_chunk_bytes)
-                ),
+                inner_chunk_shape=_plan.chunk_shape_for(outer, a.itemsize, inner_chunk_bytes),
                 spec=P(),
                 kind=a.kind,
                 compression=compression,

@@ -536,3 +536,24 @@ def test_specs_meshes_and_layouts_survive_pickle(case):
         assert hash(back) == hash(value)
         assert repr(back) == repr(value)
     assert pickle.loads(pickle.dumps(layout)).spec_for("m.w") == spec
+
+
+@given(
+    outer=st.integers(0, 3).flatmap(lambda nd: st.tuples(*[st.integers(1, 300)] * nd)),
+    itemsize=st.sampled_from([1, 2, 4]),
+    target=st.integers(1, 1 << 16),
+)
+def test_save_chunks_let_other_layouts_split_any_dimension(outer, itemsize, target):
+    """A save's chunk divides the shard and fits the target; a side with small factors is cut to
+    at most an eighth of the shard's (so readers splitting it up to 8 ways read whole chunks),
+    unless the chunk would fall below the smallest chunk size."""
+    inner = _plan.chunk_shape_for(outer, itemsize, target)
+    assert all(1 <= c <= o and o % c == 0 for c, o in zip(inner, outer))
+    chosen = _plan.chunk_target(outer, itemsize, target)
+    if itemsize <= chosen:
+        assert itemsize * math.prod(inner) <= chosen
+    floor = min(chosen, _plan.MIN_INNER_CHUNK_BYTES)
+    for d, (c, o) in enumerate(zip(inner, outer)):
+        if c > 1 and c * _plan.READER_SPLITS > o and largest_prime_factor(c) <= 7:
+            # Not cut further: only because the chunk would fall below the floor.
+            assert itemsize * math.prod(inner) // min(f for f in (2, 3, 5, 7) if c % f == 0) < floor, (inner, d)
