@@ -72,6 +72,7 @@ CHUNKS_PER_SHARD = 16
 MIN_INNER_CHUNK_BYTES = 32 << 10
 # Chunks let another layout split any dimension of a shard this many ways and read whole chunks.
 READER_SPLITS = 8
+MIN_RUN_BYTES = 256
 
 
 def chunk_target(outer: Sequence[int], itemsize: int, inner_chunk_bytes: int) -> int:
@@ -91,6 +92,8 @@ def inner_chunk_shape(
     outer: Sequence[int], itemsize: int, target_bytes: int, *, splits: int = 1, min_bytes: int = 0
 ) -> tuple[int, ...]:
     """A block of ``outer`` that divides it and holds at most about ``target_bytes``.
+
+    No cut takes the block below ``min_bytes``, even if it stays above the target.
 
     First, with ``splits > 1``, every side is cut (by factors up to 7) until it is at most
     ``1 / splits`` of the shard's, while the block keeps ``min_bytes``: a layout that splits any
@@ -113,13 +116,19 @@ def inner_chunk_shape(
             and inner[d] * splits > outer[d]
             and _smallest_factor(inner[d]) <= 7
             and itemsize * math.prod(inner) // _smallest_factor(inner[d]) >= min_bytes
+            # Rows of the last dimension are what gets copied in one run: not below 256 bytes.
+            and (d < len(inner) - 1 or itemsize * inner[d] // _smallest_factor(inner[d]) >= MIN_RUN_BYTES)
         ]
         if not cuttable:
             break
         d = max(cuttable, key=lambda i: (inner[i], -i))
         inner[d] //= _smallest_factor(inner[d])
     while itemsize * math.prod(inner) > target_bytes:
-        cuttable = [d for d in range(len(inner)) if inner[d] > 1]
+        # A cut that leaves less than min_bytes is not taken: when only a large prime is left
+        # to cut by, a bigger chunk beats a flood of tiny ones (a 393,218-element side would
+        # go 2 x 196,609 -> chunks of one element).
+        size = itemsize * math.prod(inner)
+        cuttable = [d for d in range(len(inner)) if inner[d] > 1 and size // _smallest_factor(inner[d]) >= min_bytes]
         if not cuttable:
             break
         gentle = [d for d in cuttable if _smallest_factor(inner[d]) <= 7] or cuttable

@@ -550,10 +550,14 @@ def test_save_chunks_let_other_layouts_split_any_dimension(outer, itemsize, targ
     inner = _plan.chunk_shape_for(outer, itemsize, target)
     assert all(1 <= c <= o and o % c == 0 for c, o in zip(inner, outer))
     chosen = _plan.chunk_target(outer, itemsize, target)
-    if itemsize <= chosen:
-        assert itemsize * math.prod(inner) <= chosen
     floor = min(chosen, _plan.MIN_INNER_CHUNK_BYTES)
+    size = itemsize * math.prod(inner)
+    # Within the target, unless every cut left would take the chunk below the floor.
+    assert size <= chosen or all(size // _plan._smallest_factor(c) < floor for c in inner if c > 1), inner
     for d, (c, o) in enumerate(zip(inner, outer)):
         if c > 1 and c * _plan.READER_SPLITS > o and largest_prime_factor(c) <= 7:
-            # Not cut further: only because the chunk would fall below the floor.
-            assert itemsize * math.prod(inner) // min(f for f in (2, 3, 5, 7) if c % f == 0) < floor, (inner, d)
+            # Not cut further: only because the chunk, or a row of the last dimension, would
+            # fall below its floor.
+            f = min(f for f in (2, 3, 5, 7) if c % f == 0)
+            short_run = d == len(inner) - 1 and itemsize * c // f < _plan.MIN_RUN_BYTES
+            assert short_run or itemsize * math.prod(inner) // f < floor, (inner, d)
