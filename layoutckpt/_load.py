@@ -201,34 +201,24 @@ def load_async(
         for key, lo, hi, dst in parts:
             rows = fetcher.result(key).reshape(-1)
             buf[dst : dst + hi - lo] = rows[lo:hi]
-        target = template.get(name)
-        if isinstance(target, np.ndarray) or buf.size == 0:
-            return buf if isinstance(target, np.ndarray) else torch.zeros(0, dtype=ZARR_TO_TORCH[dtype])
-        return from_numpy(buf, dtype)
+        if isinstance(template.get(name), np.ndarray):
+            return buf
+        # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
+        return from_numpy(buf, dtype) if buf.size else torch.zeros(0, dtype=ZARR_TO_TORCH[dtype])
 
     def leaf(name: str, node: Any) -> Any:
+        target = template.get(name)
         if name in flats:
-            target = template.get(name)
             data = flat_buffer(name)
             if target is None:
                 return data
             if inplace:
-                if isinstance(target, np.ndarray):
-                    target[...] = data
-                else:
-                    target.copy_(data)
-                return target
+                return _fill(target, data)
             return data.to(local_device(target)) if isinstance(data, torch.Tensor) else data
         if name not in targets:
             return decode_value(stored_leaves[name]) if name in stored_leaves else node
-        target = template.get(name)
         if inplace and target is not None:
-            local = target.to_local() if is_dtensor(target) else target
-            if isinstance(local, np.ndarray):
-                local[...] = shard(name)
-            else:
-                local.copy_(shard(name))
-            return target
+            return _fill(target, shard(name))
         key = targets[name]
         if key not in built:
             # One object per stored array and box: names tied at save time stay tied.
@@ -245,6 +235,16 @@ def load_async(
         return unflatten(structure, leaf, keep)
 
     return LoadFuture(finish, fetcher)
+
+
+def _fill(target: Any, data: Any) -> Any:
+    """Copy ``data`` into the template leaf ``target`` (its local shard for a DTensor); return it."""
+    local = target.to_local() if is_dtensor(target) else target
+    if isinstance(local, np.ndarray):
+        local[...] = data
+    else:
+        local.copy_(data)
+    return target
 
 
 def _plan_flat(
