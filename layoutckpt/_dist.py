@@ -13,11 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import torch
-import torch.distributed as dist
 
 from ._errors import WorldSizeError
 from ._spec import Mesh
+from ._torch import dist, distributed, torch
 
 
 @attrs.frozen
@@ -29,7 +28,7 @@ class Comm:
     @property
     def global_ranks(self) -> list[int]:
         """The global rank of each rank of the group, in group order."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not distributed():
             return [0]
         if self.group is None:
             return list(range(self.world))
@@ -110,7 +109,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def comm_for(group: Any = None) -> Comm:
     """This process's place: the default process group (or ``group``), else a world of one."""
-    if dist.is_available() and dist.is_initialized():
+    if distributed():
         return Comm(dist.get_rank(group), dist.get_world_size(group), group)
     if group is not None:
         raise WorldSizeError("a process group was passed but torch.distributed is not initialized")

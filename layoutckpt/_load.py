@@ -23,6 +23,7 @@ from ._flat import Flat
 from ._format import ArrayMeta
 from ._futures import LoadFuture
 from ._layout import Layout
+from ._location import locate
 from ._spec import P, check_spec
 from ._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 
@@ -84,12 +85,11 @@ def load_async(
 
     Bad input (a template or layout that does not fit) raises here, before any byte is read.
     """
-    import torch
-
     from ._tensors import ZARR_TO_TORCH, from_numpy
+    from ._torch import is_tensor, torch
 
-    meta = _store.read_meta(path)
-    root = _store.Path(path).absolute()
+    root = locate(path)
+    meta = _store.read_meta(root)
     comm = comm_for(group)
     stored_leaves = dict(leaf_nodes(meta.tree))
     if inplace and like is None:
@@ -108,7 +108,7 @@ def load_async(
         missing = sorted(n for n in template if n not in stored_leaves and n not in flat_names)
         if missing:
             raise TemplateMismatchError(
-                f"the template asks for {missing[:5]}, which checkpoint {os.fspath(path)!r} does not "
+                f"the template asks for {missing[:5]}, which checkpoint {root.url!r} does not "
                 "hold; remove them from the template or load them from another checkpoint"
             )
         covered = {_stored_name(n, stored_leaves) for n in template}
@@ -116,7 +116,7 @@ def load_async(
         extra = sorted(n for n in meta.arrays if n not in covered)
         if strict and extra and select is None:
             raise TemplateMismatchError(
-                f"checkpoint {os.fspath(path)!r} holds arrays the template lacks, e.g. {extra[:5]}; "
+                f"checkpoint {root.url!r} holds arrays the template lacks, e.g. {extra[:5]}; "
                 "pass strict=False to ignore them"
             )
     else:
@@ -168,7 +168,7 @@ def load_async(
         if _plan.box_size(box) > 0:
             rows = a.inner_chunk_shape[0] if a.inner_chunk_shape else 1
             requests.append(_fetch.Request(key, opened[stored].result(), box, numpy_dtype(a.dtype), rows, stored))
-    where = os.fspath(path)
+    where = root.url
     fetcher = _fetch.Fetcher(requests, lambda future, name: _store.read_result(future, name, where))
     reads = {r.key for r in requests}
     built: dict[tuple[str, _plan.Box], Any] = {}
@@ -183,10 +183,10 @@ def load_async(
         kind = a.kind
         target = template.get(name)
         if target is not None:
-            kind = "torch" if isinstance(target, torch.Tensor) else "numpy"
+            kind = "torch" if is_tensor(target) else "numpy"
         if kind == "numpy_scalar":
             return data[()]
-        if kind == "numpy":
+        if kind == "numpy" or torch is None:  # without torch installed, every array is NumPy
             return data
         if data.size == 0:
             # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
@@ -201,7 +201,7 @@ def load_async(
         for key, lo, hi, dst in parts:
             rows = fetcher.result(key).reshape(-1)
             buf[dst : dst + hi - lo] = rows[lo:hi]
-        if isinstance(template.get(name), np.ndarray):
+        if isinstance(template.get(name), np.ndarray) or torch is None:
             return buf
         # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
         return from_numpy(buf, dtype) if buf.size else torch.zeros(0, dtype=ZARR_TO_TORCH[dtype])
@@ -214,7 +214,7 @@ def load_async(
                 return data
             if inplace:
                 return _fill(target, data)
-            return data.to(local_device(target)) if isinstance(data, torch.Tensor) else data
+            return data.to(local_device(target)) if is_tensor(data) else data
         if name not in targets:
             return decode_value(stored_leaves[name]) if name in stored_leaves else node
         if inplace and target is not None:
@@ -223,7 +223,7 @@ def load_async(
         if key not in built:
             # One object per stored array and box: names tied at save time stay tied.
             t = shard(name)
-            if target is not None and isinstance(t, torch.Tensor):
+            if target is not None and is_tensor(t):
                 t = t.to(local_device(target))
                 if is_dtensor(target):
                     t = from_local(t, target, meta.arrays[key[0]].shape)
@@ -302,11 +302,10 @@ def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...]
             f"array {name!r}: the template holds a {type(target).__name__} there, but the checkpoint "
             "stores an array; put a tensor (a 'meta' tensor is fine) in the template"
         )
-    import torch
-
     from ._tensors import TORCH_TO_ZARR
+    from ._torch import is_tensor
 
-    if isinstance(target, torch.Tensor):
+    if is_tensor(target):
         dtype = TORCH_TO_ZARR.get(target.dtype)
     else:
         from ._dtypes import NUMPY_TO_ZARR
@@ -332,13 +331,13 @@ def load_rank_state(
     When the world size changed, ``redistribute(states, rank, world)`` gets every saved document
     (index = saved rank) and returns this rank's; without it, a ``WorldSizeError`` says so.
     """
-    meta = _store.read_meta(path)
+    root = locate(path)
+    meta = _store.read_meta(root)
     comm = comm_for(group)
     if meta.rank_state_world is None:
-        raise KeyError(f"checkpoint {os.fspath(path)!r} holds no per-rank state; it was saved without rank_state=")
-    root = _store.Path(path)
+        raise KeyError(f"checkpoint {root.url!r} holds no per-rank state; it was saved without rank_state=")
     saved = meta.rank_state_world
     if saved == comm.world and redistribute is None:
         return _rankstate.read_one(root, comm.rank)
     states = _rankstate.read_all(root, saved)
-    return _rankstate.choose(states, comm.rank, comm.world, redistribute, os.fspath(path))
+    return _rankstate.choose(states, comm.rank, comm.world, redistribute, root.url)

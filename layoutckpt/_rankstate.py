@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._dtypes import numpy_dtype, zarr_name
 from ._errors import FormatError, WorldSizeError
 from ._tree import _encode_value, decode_value
+
+if TYPE_CHECKING:
+    from ._location import Location
 
 DIR = ".rank_state"
 # A document is read whole on every load; bulk data belongs in arrays.
@@ -132,10 +133,13 @@ def choose(states: Sequence[Any], rank: int, world: int, redistribute: Redistrib
     return states[rank]
 
 
-def read_one(root: Path, rank: int) -> Any:
+def read_one(root: Location, rank: int) -> Any:
     name = file_name(rank)
-    return parse((root / name).read_bytes(), f"{os.fspath(root)}/{name}")
+    raw = root.read(name)
+    if raw is None:
+        raise FormatError(f"checkpoint {root.url!r} lacks the per-rank state of rank {rank} ({name}); it is damaged")
+    return parse(raw, f"{root.url}/{name}")
 
 
-def read_all(root: Path, world: int) -> list[Any]:
+def read_all(root: Location, world: int) -> list[Any]:
     return [read_one(root, r) for r in range(world)]

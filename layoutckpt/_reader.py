@@ -7,6 +7,7 @@ metadata alone and fetches only the inner chunks the requested slice overlaps.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -16,6 +17,7 @@ import tensorstore as ts
 from . import _rankstate, _store
 from ._dtypes import numpy_dtype
 from ._format import ArrayMeta, CheckpointMeta
+from ._location import locate
 from ._spec import Mesh, P
 from ._tree import decode_value, leaf_nodes
 
@@ -47,9 +49,9 @@ class Reader:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, concurrency: int = _store.DEFAULT_CONCURRENCY) -> None:
-        self.path = os.fspath(path)
-        self._root = _store.Path(path).absolute()
-        self.meta: CheckpointMeta = _store.read_meta(path)
+        self._root = locate(path)
+        self.path = self._root.url if isinstance(path, Mapping) else os.fspath(path)
+        self.meta: CheckpointMeta = _store.read_meta(self._root)
         self._ctx = _store.context(concurrency)
         self._stores: dict[str, ts.TensorStore] = {}
         nodes = list(leaf_nodes(self.meta.tree))

@@ -25,6 +25,7 @@ from ._errors import FormatError, InvalidNameError, LayoutError
 from ._format import COMPRESSIONS, ArrayMeta, CheckpointMeta, root_document
 from ._layout import Layout
 from ._load import Select, _selector
+from ._location import LocalDir, locate
 from ._plan import Box
 from ._reader import Reader
 from ._safetensors_format import (
@@ -36,7 +37,7 @@ from ._safetensors_format import (
     place,
     read_header,
 )
-from ._save import _check_destination, _check_user_metadata, _write_skeleton
+from ._save import _check_user_metadata, _write_skeleton
 from ._shardfile import chunk_key, grid_cells, inner_boxes, write_shard
 from ._spec import P, check_spec
 from ._tree import check_no_prefix_clash, name_to_path
@@ -417,12 +418,18 @@ def import_safetensors(
         library_version=__version__,
         all_chunks_stored=True,
     )
-    final = Path(path).absolute()
-    _check_destination(path, final, overwrite)
+    final = locate(path)
+    if not isinstance(final, LocalDir):
+        raise ValueError(
+            f"import_safetensors writes to local directories only, not {final.url!r}; import to a local "
+            "path and copy it, or load the tensors and lc.save them there"
+        )
+    final.check_destination(overwrite)
 
     # Committed as a save commits: everything durable in a temporary folder, the root document
     # (the commit marker) last, then one rename.
-    tmp = _store.temp_dir_for(final, _store.new_token())
+    staging = final.staging(_store.new_token())
+    tmp = staging.root
     try:
         for name, a in arrays.items():
             h, t = tensors[name]
@@ -432,10 +439,9 @@ def import_safetensors(
                 write_shard(
                     tmp / a.path / chunk_key(cell), boxes, a.inner_chunk_shape, numpy_dtype(a.dtype), read, compression
                 )
-        _write_skeleton(tmp, meta, 0, 1)
-        _store.fsync_tree(tmp)
-        _store.write_file(tmp / "zarr.json", root_document(meta))
-        _store.commit_dir(tmp, final, overwrite=overwrite)
+        _write_skeleton(staging, meta, 0, 1)
+        staging.make_durable()
+        final.commit(staging, root_document(meta), overwrite=overwrite)
     except BaseException:
-        _store.remove_tree(tmp)
+        staging.discard()
         raise

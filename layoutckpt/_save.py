@@ -10,12 +10,10 @@ tensors.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -25,11 +23,12 @@ from . import _flat, _plan, _rankstate, _store
 from ._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
 from ._dtensor import default_mesh, is_dtensor, sharding_of
 from ._dtypes import zarr_name
-from ._errors import CheckpointExistsError, InconsistentShardsError, SaveError
+from ._errors import InconsistentShardsError, SaveError
 from ._flat import Flat
 from ._format import ArrayMeta, CheckpointMeta, group_document, root_document
 from ._futures import SaveFuture, swap_in_flight, wait_previous
 from ._layout import Layout
+from ._location import Location, locate
 from ._spec import Mesh, P, check_spec
 from ._staging import Staged, side_stream, stage_all
 from ._tensors import tensor_zarr_dtype
@@ -200,8 +199,8 @@ def save_async(
 class _Job:
     """Everything the background part of a save needs; planned before the call returns."""
 
-    tmp: Path
-    final: Path
+    tmp: Location
+    final: Location
     meta: CheckpointMeta
     metas: dict[str, ArrayMeta]
     mine: list[tuple[str, _plan.Box]]
@@ -230,7 +229,7 @@ def _start(
 ) -> SaveFuture:
     t0 = time.perf_counter()
     comm = comm_for(group)
-    final = Path(path).absolute()
+    final = locate(path)
     # One save in flight: its buffers come back, and its failure is not lost.
     previous = wait_previous()
 
@@ -268,7 +267,12 @@ def _start(
         _check_user_metadata(metadata)
         if rank_state is not None:
             rank_doc = _rankstate.document(rank_state, comm.rank, comm.world)
-        _check_destination(path, final, overwrite)
+        # An object store's prefix is checked and claimed by rank 0 alone: it may clear the
+        # leftovers of an unfinished save there, which other ranks must not see half done.
+        if final.is_local or comm.rank == 0:
+            final.check_destination(overwrite)
+        if comm.rank == 0:
+            final.prepare()
     except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
         error = err
     # The mesh is part of each spec: ranks that order or size the mesh axes differently would
@@ -339,10 +343,9 @@ def _start(
     # Rank 0's random token names the temporary directory; it rides on this collective.
     (token,), _ = _agree(comm, error, [_store.new_token() if comm.rank == 0 else 0])
 
-    # 3. The temporary directory's name also keys the commit's store exchanges, so they never
-    # mix with another save's.
-    tmp = _store.temp_dir_for(final, token)
-    writer_comm = comm if not copy else background_comm(comm, tmp.name)
+    # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
+    tmp = final.staging(token)
+    writer_comm = comm if not copy else background_comm(comm, f"save-{token:012x}")
     meta = CheckpointMeta(
         arrays=metas,
         tree=structure,
@@ -364,7 +367,7 @@ def _start(
         sources.append(data)
     job = _Job(tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, t0)
     items = [Staged(source) for source in sources]
-    fut = SaveFuture(os.fspath(final))
+    fut = SaveFuture(final.url)
 
     # 4. Stage and write. A synchronous save writes straight from the live tensors.
     if not copy:
@@ -486,21 +489,6 @@ def _quietly(fn: Any) -> Any:
     return run
 
 
-def _check_destination(path: str | os.PathLike[str], final: Path, overwrite: bool) -> None:
-    if _store.is_committed(final) and not overwrite:
-        raise CheckpointExistsError(
-            f"a committed checkpoint already exists at {os.fspath(path)!r}; pass overwrite=True "
-            "to replace it, or save to a new path"
-        )
-    if final.exists() and not _store.is_committed(final):
-        # Never replace what is not ours, even with overwrite=True: a checkpoint is only ever
-        # renamed into place whole, so anything else at the path belongs to someone else.
-        raise CheckpointExistsError(
-            f"{os.fspath(path)!r} exists and is not a committed layoutckpt checkpoint; remove it "
-            "yourself or save to a new path (overwrite=True only replaces checkpoints)"
-        )
-
-
 def _write_and_commit(
     job: _Job,
     items: list[Staged],
@@ -529,7 +517,7 @@ def _write_and_commit(
     if returned is not None:
         returned.wait()
         held, staged = fut._blocked_seconds, written
-    fut._finish(SaveResult(os.fspath(job.final), written, len(job.mine), seconds, held, staged))
+    fut._finish(SaveResult(job.final.url, written, len(job.mine), seconds, held, staged))
 
 
 def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
@@ -551,11 +539,11 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
             written += data.nbytes
         _write_skeleton(job.tmp, job.meta, rank, world)
         if job.rank_doc is not None:
-            _store.write_file(job.tmp / _rankstate.file_name(rank), job.rank_doc, sync=False)
+            job.tmp.write(_rankstate.file_name(rank), job.rank_doc)
         for w in pending:
             w.result()
         # Durable before this rank reports success: the marker may follow at once.
-        _store.fsync_tree(job.tmp)
+        job.tmp.make_durable()
     finally:
         for w in pending:
             try:
@@ -588,14 +576,12 @@ def _check_user_metadata(metadata: Mapping[str, Any] | None) -> None:
             raise TypeError(f"metadata key {key!r} must be a str")
 
 
-def _write_skeleton(tmp: Path, meta: CheckpointMeta, rank: int, world: int) -> None:
+def _write_skeleton(tmp: Location, meta: CheckpointMeta, rank: int, world: int) -> None:
     """This rank's share of the Zarr documents of every group and array, so plain ``zarr`` can
     walk the hierarchy. Shared round-robin: a model has hundreds of them, and one rank writing
     all would hold up the commit."""
     import json
 
-    # Other ranks' writes may already have created it.
-    tmp.mkdir(parents=True, exist_ok=True)
     groups: set[str] = set()
     docs: list[tuple[str, bytes | None]] = []
     for a in meta.arrays.values():
@@ -606,41 +592,35 @@ def _write_skeleton(tmp: Path, meta: CheckpointMeta, rank: int, world: int) -> N
         groups.add(_rankstate.DIR)
     docs.extend((g, group_document()) for g in sorted(groups))
     arrays = {a.path: a for a in meta.arrays.values()}
-    mine = [
-        (tmp / path / "zarr.json", doc or json.dumps(arrays[path].zarr_metadata()).encode())
+    tmp.write_many(
+        (f"{path}/zarr.json", doc or json.dumps(arrays[path].zarr_metadata()).encode())
         for path, doc in docs[rank::world]
-    ]
-    # Creating a file costs milliseconds of metadata latency while the shards stream out, so
-    # many are created at once.
-    with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="layoutckpt-docs") as pool:
-        for f in [pool.submit(_store.write_file, path, data, sync=False) for path, data in mine]:
-            f.result()
+    )
 
 
 def _commit(
-    comm: Comm | StoreComm, tmp: Path, final: Path, meta: CheckpointMeta, failure: bytes, overwrite: bool
+    comm: Comm | StoreComm, tmp: Location, final: Location, meta: CheckpointMeta, failure: bytes, overwrite: bool
 ) -> None:
     """Commit only if every rank wrote all it had to; otherwise remove the partial data."""
     (failed,) = comm.all_reduce([1 if failure else 0], "max")
     if failed:
         messages = comm.all_gather_bytes(failure)
         if comm.rank == 0:
-            _store.remove_tree(tmp)
+            tmp.discard()
         comm.barrier()
         detail = "; ".join(f"rank {r}: {m.decode()}" for r, m in enumerate(messages) if m)
-        raise SaveError(f"saving {os.fspath(final)!r} failed, nothing was committed: {detail}")
+        raise SaveError(f"saving {final.url!r} failed, nothing was committed: {detail}")
     status = b""
     if comm.rank == 0:
         try:
             # Every rank made its part durable before it reported success (in ``_write``).
-            _store.write_file(tmp / "zarr.json", root_document(meta))
-            _store.commit_dir(tmp, final, overwrite=overwrite)
+            final.commit(tmp, root_document(meta), overwrite=overwrite)
         except Exception as err:  # noqa: BLE001 - broadcast to every rank below
-            _store.remove_tree(tmp)
+            tmp.discard()
             status = f"{type(err).__name__}: {err}".encode()
     status = comm.broadcast_bytes(status if comm.rank == 0 else None)
     if status:
-        raise SaveError(f"committing {os.fspath(final)!r} failed on rank 0: {status.decode()}")
+        raise SaveError(f"committing {final.url!r} failed on rank 0: {status.decode()}")
 
 
 def _describe_disagreement(comm: Comm, signature: list[Any]) -> str:

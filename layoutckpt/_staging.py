@@ -21,9 +21,9 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
-import torch
 
 from ._tensors import to_numpy
+from ._torch import is_tensor, torch
 
 
 class HostBuffers:
@@ -131,7 +131,7 @@ class Staged:
     def view(self) -> None:
         """No copy: the caller is blocked until the write ends (synchronous ``save``)."""
         src = self.source
-        if isinstance(src, torch.Tensor):
+        if is_tensor(src):
             self.data = to_numpy(src)  # a device tensor is copied to the host here
         else:
             self.data = np.asarray(src)
@@ -148,7 +148,7 @@ class Staged:
     @property
     def nbytes(self) -> int:
         src = self.source
-        if isinstance(src, torch.Tensor):
+        if is_tensor(src):
             return src.numel() * src.element_size()
         return np.asarray(src).nbytes if src is not None else 0
 
@@ -156,7 +156,7 @@ class Staged:
         """Take a buffer; a (destination, source) pair for torch sources, whose copy the caller
         batches. NumPy sources and empty arrays are done here."""
         src = self.source
-        if isinstance(src, torch.Tensor):
+        if is_tensor(src):
             src = src.detach()
             if src.numel() == 0:
                 self.data = to_numpy(torch.empty(src.shape, dtype=src.dtype))
@@ -216,7 +216,7 @@ def side_stream(items: list[Staged]) -> Any:
 
     Made on the caller's thread: the current device and stream are per thread in CUDA.
     """
-    devices = {s.source.device for s in items if isinstance(s.source, torch.Tensor) and s.source.device.type == "cuda"}
+    devices = {s.source.device for s in items if is_tensor(s.source) and s.source.device.type == "cuda"}
     if not devices:
         return None
     if len(devices) > 1:

@@ -1,51 +1,69 @@
-"""Storage: TensorStore specs and contexts, and the local-directory commit.
+"""Storage: TensorStore specs and contexts, and the local file operations of the commit.
 
 Array data goes through TensorStore (many reads and writes in flight, byte-range reads of inner
-chunks). The small JSON documents and the commit rename are plain file operations with fsyncs,
-so a crash leaves either the old checkpoint or the new one, never a mix.
+chunks), on whichever key-value store the checkpoint's location names (``_location``). On a
+local file system the small JSON documents and the commit rename are plain file operations
+with fsyncs, so a crash leaves either the old checkpoint or the new one, never a mix.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tensorstore as ts
 
-from ._errors import CheckpointNotFoundError, IntegrityError
+from ._errors import IntegrityError
 from ._format import ArrayMeta, CheckpointMeta, parse_root_document
+
+if TYPE_CHECKING:
+    from ._location import Location
 
 TMP_MARK = ".tmp-"
 DEFAULT_CONCURRENCY = 32
+# Object stores: how often a failed request is retried (with exponential back-off) before the
+# save or load fails; LAYOUTCKPT_MAX_RETRIES overrides it.
+DEFAULT_RETRIES = 16
 
 
 def context(concurrency: int = DEFAULT_CONCURRENCY) -> ts.Context:
     """A TensorStore context with no chunk cache: every byte goes straight to or from storage,
-    so host memory stays near the bytes of the local shards."""
+    so host memory stays near the bytes of the local shards.
+
+    ``concurrency`` bounds the requests in flight on every store: file operations, and S3 or
+    GCS requests. Its parent is the process-wide context, which holds ``memory://`` data.
+    """
+    from ._location import shared_context
+
+    retries = {"max_retries": int(os.environ.get("LAYOUTCKPT_MAX_RETRIES", DEFAULT_RETRIES))}
     return ts.Context(
         {
             "cache_pool": {"total_bytes_limit": 0},
             "file_io_concurrency": {"limit": concurrency},
+            "s3_request_concurrency": {"limit": concurrency},
+            "gcs_request_concurrency": {"limit": concurrency},
+            "s3_request_retries": retries,
+            "gcs_request_retries": retries,
             "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
             # No fsync per file: a save makes its whole tree durable at once (fsync_tree)
             # before it reports success, and only then is the commit marker written.
             "file_io_sync": False,
-        }
+        },
+        parent=shared_context(),
     )
 
 
-def array_spec(root: Path, meta: ArrayMeta, *, all_chunks_stored: bool = True) -> dict[str, Any]:
+def array_spec(root: Location, meta: ArrayMeta, *, all_chunks_stored: bool = True) -> dict[str, Any]:
     """Open with ``assume_metadata``: the root document already says everything, so opening an
     array costs no read of its own ``zarr.json``."""
     metadata = {k: v for k, v in meta.zarr_metadata().items() if k not in ("zarr_format", "node_type", "attributes")}
     spec: dict[str, Any] = {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(root / meta.path) + "/"},
+        "kvstore": root.kvstore(meta.path),
         "metadata": metadata,
     }
     # Writers too: rank 0 writes each zarr.json as a plain file, so no rank races to create it.
@@ -58,7 +76,7 @@ def array_spec(root: Path, meta: ArrayMeta, *, all_chunks_stored: bool = True) -
 
 
 def open_array(
-    ctx: ts.Context, root: Path, meta: ArrayMeta, *, all_chunks_stored: bool = True
+    ctx: ts.Context, root: Location, meta: ArrayMeta, *, all_chunks_stored: bool = True
 ) -> ts.Future[ts.TensorStore]:
     return ts.open(array_spec(root, meta, all_chunks_stored=all_chunks_stored), context=ctx)
 
@@ -82,23 +100,17 @@ def read_result(future: Any, name: str, where: str) -> Any:
         ) from None
 
 
-def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
-    root = Path(path)
-    marker = root / "zarr.json"
-    try:
-        raw = marker.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        hint = ""
-        if root.is_dir():
-            hint = " (the directory exists but has no commit marker: the save never finished)"
-        raise CheckpointNotFoundError(
-            errno.ENOENT, f"no committed layoutckpt checkpoint at {os.fspath(path)!r}{hint}", os.fspath(path)
-        ) from None
-    return parse_root_document(raw, os.fspath(path))
+def read_meta(path: str | os.PathLike[str] | Location) -> CheckpointMeta:
+    from ._location import locate, read_marker
+
+    loc = locate(path)
+    return parse_root_document(read_marker(loc), loc.url)
 
 
-def is_committed(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / "zarr.json").is_file()
+def is_committed(path: str | os.PathLike[str] | Location) -> bool:
+    from ._location import locate
+
+    return locate(path).committed()
 
 
 def write_file(path: Path, data: bytes, *, sync: bool = True) -> None:

@@ -6,36 +6,46 @@ and are reinterpreted as the ``ml_dtypes`` type: no bytes are copied either way.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-import torch
 
 from ._dtypes import ZARR_TO_NUMPY
+from ._torch import torch
 
-TORCH_TO_ZARR: dict[torch.dtype, str] = {
-    torch.bool: "bool",
-    torch.int8: "int8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.uint8: "uint8",
-    torch.uint16: "uint16",
-    torch.uint32: "uint32",
-    torch.uint64: "uint64",
-    torch.float16: "float16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-}
+TORCH_TO_ZARR: dict[Any, str] = (
+    {}
+    if torch is None
+    else {
+        torch.bool: "bool",
+        torch.int8: "int8",
+        torch.int16: "int16",
+        torch.int32: "int32",
+        torch.int64: "int64",
+        torch.uint8: "uint8",
+        torch.uint16: "uint16",
+        torch.uint32: "uint32",
+        torch.uint64: "uint64",
+        torch.float16: "float16",
+        torch.float32: "float32",
+        torch.float64: "float64",
+        torch.bfloat16: "bfloat16",
+        torch.float8_e4m3fn: "float8_e4m3fn",
+        torch.float8_e5m2: "float8_e5m2",
+    }
+)
 ZARR_TO_TORCH = {v: k for k, v in TORCH_TO_ZARR.items()}
 
 # Dtypes NumPy cannot hold natively, and the same-width integer used to carry their bits.
-_CARRIERS = {
-    torch.bfloat16: torch.int16,
-    torch.float8_e4m3fn: torch.uint8,
-    torch.float8_e5m2: torch.uint8,
-}
+_CARRIERS = (
+    {}
+    if torch is None
+    else {
+        torch.bfloat16: torch.int16,
+        torch.float8_e4m3fn: torch.uint8,
+        torch.float8_e5m2: torch.uint8,
+    }
+)
 
 
 def tensor_zarr_dtype(t: torch.Tensor, name: str) -> str:

@@ -1,0 +1,271 @@
+"""Where a checkpoint lives: a local directory, or a key prefix of an object store.
+
+Arrays always go through TensorStore; a location only says which key-value store (``file``,
+``s3``, ``gcs``, ``memory``) holds them, and owns the few small documents and the commit.
+
+The commit differs because the stores differ. A local save writes a hidden sibling directory
+and renames it into place: the rename is atomic, so ``overwrite=True`` is crash-safe too. Object
+stores have no rename, so a save writes in place, the root ``zarr.json`` last: until that
+marker exists the prefix is not a checkpoint, and a crash before it leaves nothing a reader
+would take for one. A ``.layoutckpt-pending`` object, written first and deleted last, marks
+the prefix as an unfinished save of ours, so the next save may clear it; a prefix holding
+anything else is never touched.
+
+Paths: ``/local/dir`` or ``file:///local/dir``; ``s3://bucket/prefix`` (endpoint from
+``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, region from ``AWS_REGION`` or
+``AWS_DEFAULT_REGION``, credentials from TensorStore's usual AWS chain: the ``AWS_*``
+variables, ``~/.aws``, instance metadata); ``gs://bucket/prefix`` (Google's default
+credentials); ``memory://prefix`` (this process's memory, for tests and notebooks); or a
+TensorStore kvstore JSON spec as a dict, for anything else those drivers accept.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import functools
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import tensorstore as ts
+
+from . import _store
+from ._errors import CheckpointExistsError, CheckpointNotFoundError
+
+MARKER = "zarr.json"
+PENDING = ".layoutckpt-pending"
+SCHEMES = ("file", "s3", "gs", "memory")
+
+
+@functools.cache
+def shared_context() -> ts.Context:
+    """The process-wide parent of every context layoutckpt makes: ``memory://`` data lives in
+    a context's memory store, so saves and loads must share one for it to outlive a call."""
+    return ts.Context()
+
+
+def locate(path: str | os.PathLike[str] | Mapping[str, Any] | Location) -> Location:
+    """The location a user's path names (see the module docstring for the forms)."""
+    if isinstance(path, LocalDir | KvPrefix):
+        return path
+    if isinstance(path, Mapping):
+        spec = dict(path)
+        if "driver" not in spec:
+            raise ValueError(f"a kvstore spec needs a 'driver' member, got {spec!r}")
+        spec["path"] = _as_prefix(spec.get("path", ""))
+        return KvPrefix(spec, _url_of(spec))
+    text = os.fspath(path)
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme == "file":
+        return LocalDir(Path(rest if sep else text).absolute())
+    if scheme == "memory":
+        return KvPrefix({"driver": "memory", "path": _as_prefix(rest)}, text)
+    if scheme in ("s3", "gs"):
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"{text!r} names no bucket; write {scheme}://BUCKET/PREFIX")
+        spec = {"driver": "s3" if scheme == "s3" else "gcs", "bucket": bucket, "path": _as_prefix(prefix)}
+        if scheme == "s3":
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            if endpoint:
+                spec["endpoint"] = endpoint
+            if region:
+                spec["aws_region"] = region
+        return KvPrefix(spec, text)
+    raise ValueError(
+        f"unsupported storage {scheme + '://'!r} in {text!r}; use a local path, file://, s3://, gs://, "
+        "memory://, or a TensorStore kvstore spec (a dict)"
+    )
+
+
+def _as_prefix(path: str) -> str:
+    path = path.strip("/")
+    return path + "/" if path else ""
+
+
+def _url_of(spec: Mapping[str, Any]) -> str:
+    scheme = {"gcs": "gs", "file": "file"}.get(spec["driver"], spec["driver"])
+    bucket = spec.get("bucket")
+    return f"{scheme}://{bucket + '/' if bucket else ''}{spec['path']}".rstrip("/")
+
+
+@attrs.frozen
+class LocalDir:
+    """A directory of the local (or a mounted shared) file system; commit by rename."""
+
+    root: Path
+
+    @property
+    def url(self) -> str:
+        return os.fspath(self.root)
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    def kvstore(self, rel: str = "") -> dict[str, Any]:
+        return {"driver": "file", "path": os.fspath(self.root / rel) + "/"}
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def write(self, key: str, data: bytes) -> None:
+        # No fsync per file: ``make_durable`` syncs the whole tree at once before the commit.
+        _store.write_file(self.root / key, data, sync=False)
+
+    def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
+        # Creating a file costs milliseconds of metadata latency, so many are created at once.
+        with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="layoutckpt-docs") as pool:
+            for f in [pool.submit(self.write, key, data) for key, data in items]:
+                f.result()
+
+    def exists(self) -> bool:
+        return self.root.exists()
+
+    def committed(self) -> bool:
+        return (self.root / MARKER).is_file()
+
+    def missing_hint(self) -> str:
+        return " (the directory exists but has no commit marker: the save never finished)" if self.exists() else ""
+
+    # -- the save's life cycle ------------------------------------------------------------
+    def check_destination(self, overwrite: bool) -> None:
+        if self.committed() and not overwrite:
+            raise _exists(self.url)
+        if self.exists() and not self.committed():
+            # Never replace what is not ours, even with overwrite=True: a checkpoint is only
+            # ever renamed into place whole, so anything else at the path is someone else's.
+            raise CheckpointExistsError(
+                f"{self.url!r} exists and is not a committed layoutckpt checkpoint; remove it "
+                "yourself or save to a new path (overwrite=True only replaces checkpoints)"
+            )
+
+    def prepare(self) -> None:
+        """Nothing to do: the staging directory is new."""
+
+    def staging(self, token: int) -> LocalDir:
+        return LocalDir(_store.temp_dir_for(self.root, token))
+
+    def make_durable(self) -> None:
+        if self.root.exists():  # absent when this rank had nothing to write
+            _store.fsync_tree(self.root)
+
+    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
+        assert isinstance(staging, LocalDir)
+        # Every rank made its part durable before it reported success; the marker is synced.
+        _store.write_file(staging.root / MARKER, marker)
+        _store.commit_dir(staging.root, self.root, overwrite=overwrite)
+
+    def discard(self) -> None:
+        _store.remove_tree(self.root)
+
+
+@attrs.frozen(eq=False)
+class KvPrefix:
+    """A key prefix of a TensorStore key-value store (s3, gcs, memory, ...); commit by marker."""
+
+    spec: dict[str, Any]
+    url: str
+
+    @property
+    def is_local(self) -> bool:
+        return False
+
+    def kvstore(self, rel: str = "") -> dict[str, Any]:
+        return {**self.spec, "path": self.spec["path"] + _as_prefix(rel)}
+
+    @functools.cached_property
+    def _kv(self) -> ts.KvStore:
+        return ts.KvStore.open(self.spec, context=shared_context()).result()
+
+    def read(self, key: str) -> bytes | None:
+        got = self._kv.read(key).result()
+        return bytes(got.value) if got.state == "value" else None
+
+    def write(self, key: str, data: bytes) -> None:
+        self._kv.write(key, data).result()
+
+    def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
+        # Object stores take many requests at once; TensorStore bounds them by its concurrency.
+        for f in [self._kv.write(key, data) for key, data in items]:
+            f.result()
+
+    def keys(self) -> list[str]:
+        return [k.decode() for k in self._kv.list().result()]
+
+    def exists(self) -> bool:
+        return bool(self.keys())
+
+    def committed(self) -> bool:
+        return self.read(MARKER) is not None
+
+    def missing_hint(self) -> str:
+        if self.read(PENDING) is not None:
+            return " (the prefix holds an unfinished save: it has no commit marker)"
+        return ""
+
+    # -- the save's life cycle ------------------------------------------------------------
+    def check_destination(self, overwrite: bool) -> None:
+        if self.committed():
+            if not overwrite:
+                raise _exists(self.url)
+            raise CheckpointExistsError(
+                f"a committed checkpoint exists at {self.url!r}, and an object store cannot replace it "
+                "safely: with no atomic rename, a crash midway would leave neither the old checkpoint "
+                "nor the new one; save to a new prefix (CheckpointManager makes one per step) and "
+                "delete the old one after"
+            )
+        if self.exists() and self.read(PENDING) is None:
+            raise CheckpointExistsError(
+                f"{self.url!r} holds objects that are not a layoutckpt checkpoint; remove them "
+                "yourself or save to a new prefix"
+            )
+
+    def prepare(self) -> None:
+        """Clear the leftovers of a save that never committed here, then claim the prefix."""
+        self.discard()
+        self.write(PENDING, b"layoutckpt save in progress; no commit marker yet\n")
+
+    def staging(self, token: int) -> KvPrefix:
+        return self  # no rename: the save writes in place, invisible until the marker exists
+
+    def make_durable(self) -> None:
+        """Nothing to do: a PUT is durable when it returns."""
+
+    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
+        assert staging is self and not overwrite
+        self.write(MARKER, marker)
+        self._kv.delete_range(ts.KvStore.KeyRange(PENDING, PENDING + "\0")).result()
+
+    def discard(self) -> None:
+        # The pending marker goes last, so a crash midway leaves a prefix the next save may clear.
+        everything_else = [ts.KvStore.KeyRange("", PENDING), ts.KvStore.KeyRange(PENDING + "\0", "")]
+        for f in [self._kv.delete_range(r) for r in everything_else]:
+            f.result()
+        self._kv.delete_range(ts.KvStore.KeyRange(PENDING, PENDING + "\0")).result()
+
+
+Location = LocalDir | KvPrefix
+
+
+def _exists(url: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"a committed checkpoint already exists at {url!r}; pass overwrite=True to replace it, or save to a new path"
+    )
+
+
+def read_marker(loc: Location) -> bytes:
+    """The commit marker's bytes; ``CheckpointNotFoundError`` when there is none."""
+    raw = loc.read(MARKER)
+    if raw is None:
+        raise CheckpointNotFoundError(
+            errno.ENOENT, f"no committed layoutckpt checkpoint at {loc.url!r}{loc.missing_hint()}", loc.url
+        )
+    return raw
