@@ -24,6 +24,7 @@ from ._load import load as load
 from ._load import load_async as load_async
 from ._load import load_rank_state as load_rank_state
 from ._manager import CheckpointManager as CheckpointManager
+from ._metrics import Metrics as Metrics
 from ._plan import shard_box as shard_box
 from ._reader import ArrayInfo as ArrayInfo
 from ._reader import Reader as Reader

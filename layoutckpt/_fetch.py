@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ._metrics import InFlight
 from ._plan import Box
 
 PIECE_BYTES = 16 << 20
@@ -86,14 +88,17 @@ class Fetcher:
         requests: list[Request],
         check: Callable[[Any, str], np.ndarray],
         *,
-        piece_bytes: int = PIECE_BYTES,
-        budget_bytes: int = BUDGET_BYTES,
+        piece_bytes: int | None = None,
+        budget_bytes: int | None = None,
     ) -> None:
         self._check = check
         self._results: dict[Hashable, np.ndarray] = {}
         self._error: BaseException | None = None
+        self.in_flight = InFlight()
+        self.bytes = 0  # requested from storage
+        self.seconds = 0.0  # from the first read issued to the last settled
         self._thread = threading.Thread(
-            target=self._run, args=(requests, piece_bytes, budget_bytes), name="layoutckpt-read", daemon=True
+            target=self._run, args=(requests, piece_bytes or PIECE_BYTES, budget_bytes or BUDGET_BYTES), name="layoutckpt-read", daemon=True
         )
         self._thread.start()
 
@@ -111,6 +116,7 @@ class Fetcher:
     def _run(self, requests: list[Request], piece_bytes: int, budget_bytes: int) -> None:
         pending: deque[tuple[Request, Box, int, Any]] = deque()
         in_flight = settled = 0
+        start = time.perf_counter()
         try:
             for r in requests:
                 pieces = _pieces(r, piece_bytes)
@@ -126,17 +132,21 @@ class Fetcher:
                             _trim(0)
                             settled = 0
                     view = r.store[tuple(slice(a, b) for a, b in piece)] if piece else r.store
+                    self.in_flight.start(nbytes)
                     pending.append((r, piece, nbytes, view.read()))
                     in_flight += nbytes
+                    self.bytes += nbytes
             while pending:
                 self._settle(*pending.popleft())
         except BaseException as err:  # noqa: BLE001 - raised by join() on the caller's thread
             self._error = err
             for *_, future in pending:
                 future.cancel()
+        self.seconds = time.perf_counter() - start
 
     def _settle(self, r: Request, piece: Box, nbytes: int, future: Any) -> int:
         data = self._check(future, r.name)
+        self.in_flight.done(nbytes)
         if piece == r.box:
             self._results[r.key] = data
         else:

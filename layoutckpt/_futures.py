@@ -91,10 +91,14 @@ class SaveFuture(_Future[Any]):
 
 
 class LoadFuture(_Future[T]):
-    """A load whose reads are all in flight; ``result()`` waits for them and builds the state."""
+    """A load whose reads are all in flight; ``result()`` waits for them and builds the state.
+
+    After ``result()``, ``metrics`` holds this rank's phases (plan, read, place), bytes and reads.
+    """
 
     def __init__(self, finish: Callable[[], T], reads: Any) -> None:
         super().__init__()
+        self.metrics: Any = None
         self._finish = finish
         self._reads = reads  # anything with done(): the reads under way
         self._lock = threading.Lock()

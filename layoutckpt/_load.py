@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ from ._format import ArrayMeta
 from ._futures import LoadFuture
 from ._layout import Layout
 from ._location import locate
+from ._metrics import LOAD_PHASES, Metrics, Phases, report
 from ._spec import P, check_spec
 from ._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 
@@ -88,6 +90,8 @@ def load_async(
     from ._tensors import ZARR_TO_TORCH, from_numpy
     from ._torch import is_tensor, torch
 
+    t0 = time.perf_counter()
+    phases = Phases()
     root = locate(path)
     meta = _store.read_meta(root)
     comm = comm_for(group)
@@ -170,6 +174,7 @@ def load_async(
             requests.append(_fetch.Request(key, opened[stored].result(), box, numpy_dtype(a.dtype), rows, stored))
     where = root.url
     fetcher = _fetch.Fetcher(requests, lambda future, name: _store.read_result(future, name, where))
+    phases.since("plan", t0)
     reads = {r.key for r in requests}
     built: dict[tuple[str, _plan.Box], Any] = {}
 
@@ -232,9 +237,31 @@ def load_async(
 
     def finish() -> Any:
         fetcher.join()
-        return unflatten(structure, leaf, keep)
+        phases.add("read", fetcher.seconds)
+        start = time.perf_counter()
+        out = unflatten(structure, leaf, keep)
+        phases.since("place", start)
+        flight = fetcher.in_flight
+        arrays = len({stored for stored, _ in reads})
+        fut.metrics = report(
+            Metrics(
+                "load",
+                root.url,
+                comm.rank,
+                comm.world,
+                phases.items(LOAD_PHASES),
+                fetcher.bytes,
+                arrays,
+                flight.issued,
+                flight.most,
+                flight.most_bytes,
+                time.perf_counter() - t0,
+            )
+        )
+        return out
 
-    return LoadFuture(finish, fetcher)
+    fut: LoadFuture[Any] = LoadFuture(finish, fetcher)
+    return fut
 
 
 def _fill(target: Any, data: Any) -> Any:

@@ -29,6 +29,7 @@ from ._format import ArrayMeta, CheckpointMeta, group_document, root_document
 from ._futures import SaveFuture, swap_in_flight, wait_previous
 from ._layout import Layout
 from ._location import Location, locate
+from ._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
 from ._spec import Mesh, P, check_spec
 from ._staging import Staged, side_stream, stage_all
 from ._tensors import tensor_zarr_dtype
@@ -44,6 +45,7 @@ class SaveResult:
 
     ``seconds`` runs from the call to the commit; ``blocked_seconds`` is how long the call held
     the caller (for ``save_async``, checks, planning and staging; for ``save``, all of it).
+    ``metrics`` has the time of each phase (plan, stage, write, commit) and the writes in flight.
     """
 
     path: str
@@ -52,6 +54,7 @@ class SaveResult:
     seconds: float
     blocked_seconds: float = 0.0
     staged_bytes: int = 0
+    metrics: Metrics | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
@@ -208,6 +211,9 @@ class _Job:
     overwrite: bool
     concurrency: int
     started: float
+    operation: str
+    phases: Phases = attrs.field(factory=Phases)
+    in_flight: InFlight = attrs.field(factory=InFlight)
 
 
 def _start(
@@ -365,7 +371,8 @@ def _start(
     for name, box, data in _flat_writes(comm, flats, flat_shards, mesh):
         mine.append((name, box))
         sources.append(data)
-    job = _Job(tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, t0)
+    job = _Job(tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, t0, "save_async" if copy else "save")
+    job.phases.since("plan", t0)
     items = [Staged(source) for source in sources]
     fut = SaveFuture(final.url)
 
@@ -390,11 +397,13 @@ def _start(
     ).start()
 
     def stage() -> None:
+        start = time.perf_counter()
         try:
             stage_all(items, budget, stream)
         except BaseException as err:
             fut._set_staged(err)
             raise
+        job.phases.since("stage", start)
         fut._set_staged()
 
     try:
@@ -504,11 +513,15 @@ def _write_and_commit(
     try:
         if gate is not None:
             gate.wait()
+        start = time.perf_counter()
         written = _write(job, items, comm.rank, comm.world)
+        job.phases.since("write", start)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         failure = f"{type(err).__name__}: {err}".encode()
     try:
+        start = time.perf_counter()
         _commit(comm, job.tmp, job.final, job.meta, failure, job.overwrite)
+        job.phases.since("commit", start)
     except BaseException as err:  # noqa: BLE001 - the future raises it
         fut._finish(error=err)
         return
@@ -517,7 +530,21 @@ def _write_and_commit(
     if returned is not None:
         returned.wait()
         held, staged = fut._blocked_seconds, written
-    fut._finish(SaveResult(job.final.url, written, len(job.mine), seconds, held, staged))
+    flight = job.in_flight
+    metrics = Metrics(
+        job.operation,
+        job.final.url,
+        comm.rank,
+        comm.world,
+        job.phases.items(SAVE_PHASES),
+        written,
+        len({n for n, _ in job.mine}),
+        flight.issued,
+        flight.most,
+        flight.most_bytes,
+        seconds,
+    )
+    fut._finish(SaveResult(job.final.url, written, len(job.mine), seconds, held, staged, report(metrics)))
 
 
 def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
@@ -532,9 +559,14 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
             store = opened[name].result()
             data = item.wait()
             target = store[tuple(slice(a, b) for a, b in box)] if box else store
+            job.in_flight.start(data.nbytes)
             w = target.write(data, can_reference_source_data_indefinitely=True)
-            # Back-pressure: staging may be waiting for exactly this buffer.
-            w.commit.add_done_callback(lambda _, item=item: item.release())
+
+            def settled(_: Any, item: Staged = item, nbytes: int = data.nbytes) -> None:
+                job.in_flight.done(nbytes)
+                item.release()  # back-pressure: staging may be waiting for exactly this buffer
+
+            w.commit.add_done_callback(settled)
             pending.append(w)
             written += data.nbytes
         _write_skeleton(job.tmp, job.meta, rank, world)
