@@ -197,8 +197,12 @@ class KvPrefix:
         for f in [self._kv.write(key, data) for key, data in items]:
             f.result()
 
-    def keys(self) -> list[str]:
-        return [k.decode() for k in self._kv.list().result()]
+    def keys(self, prefix: str = "") -> list[str]:
+        """The keys under this prefix (relative to it), or those starting with ``prefix``."""
+        if not prefix:
+            return [k.decode() for k in self._kv.list().result()]
+        within = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        return [k.decode() for k in self._kv.list(within).result()]
 
     def exists(self) -> bool:
         return bool(self.keys())
@@ -243,6 +247,12 @@ class KvPrefix:
         assert staging is self and not overwrite
         self.write(MARKER, marker)
         self._kv.delete_range(ts.KvStore.KeyRange(PENDING, PENDING + "\0")).result()
+
+    def retire(self) -> None:
+        """Delete a committed checkpoint: the marker first, so it is never listed half deleted."""
+        self._kv.delete_range(ts.KvStore.KeyRange(MARKER, MARKER + "\0")).result()
+        self.write(PENDING, b"layoutckpt deleting this checkpoint\n")
+        self.discard()
 
     def discard(self) -> None:
         # The pending marker goes last, so a crash midway leaves a prefix the next save may clear.

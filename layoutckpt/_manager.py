@@ -10,6 +10,11 @@ Only committed checkpoints exist for ``steps()``/``latest_step()``/``load``; a r
 the leftovers of uncommitted ones. Retention runs in the background after each commit and never
 deletes the newest committed checkpoint. A second manager on the same root is refused, so two
 jobs never interleave their saves and deletions.
+
+On an object store (``s3://bucket/run``) the steps are prefixes committed by their marker
+(``_location``). There is no lock to take there: give each run its own root. A step's leftover
+objects are cleared by the next save of that step, and retention deletes a step's marker
+first, so a step is never listed while it is being deleted.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from ._errors import CheckpointNotFoundError, ManagerLockedError
 from ._futures import SaveFuture
 from ._layout import Layout
 from ._load import Select, load, load_rank_state
+from ._location import MARKER, KvPrefix, LocalDir, Location, locate
 from ._reader import Reader
 from ._save import SaveResult, save, save_async
 
 _STEP = re.compile(r"^step_(\d+)$")
+STEP_PREFIX = "step_"
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|del|old)-[0-9a-f]+$")
 LOCK_FILE = ".layoutckpt.lock"
 
@@ -77,7 +84,9 @@ class CheckpointManager:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        self.root = Path(root).absolute()
+        self._loc = locate(root)
+        # A local root stays a Path (its historical type); an object store's is its URL.
+        self.root: Path | str = self._loc.root if isinstance(self._loc, LocalDir) else self._loc.url
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
@@ -94,9 +103,10 @@ class CheckpointManager:
         error: Exception | None = None
         if self._comm.rank == 0:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                self._lock_fd = _take_lock(self.root)
-                _remove_leftovers(self.root)
+                if isinstance(self._loc, LocalDir):
+                    self._loc.root.mkdir(parents=True, exist_ok=True)
+                    self._lock_fd = _take_lock(self._loc.root)
+                    _remove_leftovers(self._loc.root)
                 self._retention = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="layoutckpt-retain")
             except Exception as err:  # noqa: BLE001 - every rank raises below
                 error = err
@@ -121,27 +131,20 @@ class CheckpointManager:
         self.close()
 
     # Listing ------------------------------------------------------------------------------------
-    def path(self, step: int) -> Path:
-        return self.root / step_dir(step)
+    def path(self, step: int) -> Path | str:
+        if isinstance(self.root, Path):
+            return self.root / step_dir(step)
+        return f"{self.root}/{step_dir(step)}"
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first. A save still in progress is not among them."""
-        found = []
-        try:
-            entries = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return []
-        for e in entries:
-            m = _STEP.match(e.name)
-            if m and _store.is_committed(e.path):
-                found.append(int(m.group(1)))
-        return sorted(found)
+        return _committed_steps(self._loc)
 
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def _resolve(self, step: int | None) -> Path:
+    def _resolve(self, step: int | None) -> Path | str:
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -188,7 +191,7 @@ class CheckpointManager:
         if fut._future.exception() is not None:
             return  # a failed save changes nothing; the checkpoints we have stay
         for step in to_delete(self.steps(), self.keep_last, self.keep_every):
-            _retire_dir(self.path(step))
+            _retire(self._loc, step)
 
     def wait(self) -> SaveResult | None:
         """Wait for the last save (raising its failure) and for retention; the save's result.
@@ -313,6 +316,16 @@ def _remove_leftovers(root: Path) -> None:
             _store.remove_tree(Path(e.path))
 
 
+def _retire(root: Location, step: int) -> None:
+    """Delete a committed step so that it is never listed while partly deleted."""
+    if isinstance(root, LocalDir):
+        _retire_dir(root.root / step_dir(step))
+        return
+    loc = locate(f"{root.url}/{step_dir(step)}")
+    assert isinstance(loc, KvPrefix)
+    loc.retire()
+
+
 def _retire_dir(path: Path) -> None:
     """Rename first (the checkpoint disappears at once, whole), then delete at leisure."""
     aside = path.parent / f".{path.name}.del-{uuid.uuid4().hex[:12]}"
@@ -322,3 +335,79 @@ def _retire_dir(path: Path) -> None:
         return
     _store.fsync_dir(path.parent)
     _store.remove_tree(aside)
+
+
+# Retention from outside a training job (``layoutckpt gc``) ------------------------------------
+
+
+def leftovers(root: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """The crash leftovers under the manager root ``root``, as ``(entry name, action)``: what a
+    manager starting there (or ``collect_garbage``) does with each, ``"remove"`` or ``"restore"``
+    (a committed checkpoint an interrupted overwrite set aside, put back under its name)."""
+    found = []
+    for e in sorted(os.scandir(root), key=lambda e: e.name):
+        m = _LEFTOVER.match(e.name)
+        if m:
+            final = Path(root, m.group("name"))
+            restore = m.group("kind") == "old" and not final.exists() and _store.is_committed(e.path)
+            found.append((e.name, "restore" if restore else "remove"))
+        elif _STEP.match(e.name) and e.is_dir() and not _store.is_committed(e.path):
+            found.append((e.name, "remove"))
+    return found
+
+
+def collect_garbage(
+    root: str | os.PathLike[str], *, keep_last: int | None, keep_every: int | None = None, dry_run: bool = False
+) -> list[int]:
+    """Apply a manager's retention to ``root`` when no manager runs there; the steps deleted.
+
+    As a manager starting on ``root`` would, the crash leftovers go (see ``leftovers``); then
+    every committed step that ``to_delete`` retires for ``keep_last`` and ``keep_every`` is
+    deleted, the newest committed step never. The manager's lock is held throughout, so this
+    refuses (``ManagerLockedError``) while a ``CheckpointManager`` manages ``root``; a plain
+    ``save`` into ``root`` that is still running would lose its unfinished folder, so run it
+    when no job writes there. With ``dry_run`` nothing is touched (and no lock taken): the
+    steps returned are those that would go.
+    """
+    for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    loc = locate(root)
+    if isinstance(loc, KvPrefix):
+        # No lock and no leftovers to sweep on an object store (see the module docstring).
+        doomed = to_delete(_committed_steps(loc), keep_last, keep_every)
+        if not dry_run:
+            for step in doomed:
+                _retire(loc, step)
+        return doomed
+    path = loc.root
+    if not path.is_dir():
+        raise CheckpointNotFoundError(
+            2, f"no CheckpointManager root at {os.fspath(path)!r}: not a directory", os.fspath(path)
+        )
+    if dry_run:
+        return to_delete(_committed_steps(loc), keep_last, keep_every)
+    fd = _take_lock(path)
+    try:
+        _remove_leftovers(path)
+        doomed = to_delete(_committed_steps(loc), keep_last, keep_every)
+        for step in doomed:
+            _retire(loc, step)
+        return doomed
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        _LOCK_FDS.discard(fd)
+
+
+def _committed_steps(root: Location) -> list[int]:
+    """The committed steps under ``root``, oldest first (``CheckpointManager.steps``)."""
+    if isinstance(root, KvPrefix):
+        # One listing of the steps' keys finds every marker (``step_N/zarr.json``).
+        found = (_STEP.match(k.removesuffix("/" + MARKER)) for k in root.keys(STEP_PREFIX) if k.endswith("/" + MARKER))
+        return sorted(int(m.group(1)) for m in found if m)
+    try:
+        entries = list(os.scandir(root.root))
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for e in entries if (m := _STEP.match(e.name)) and _store.is_committed(e.path))

@@ -208,3 +208,33 @@ def test_path_forms():
         locate("ftp://host/x")
     with pytest.raises(ValueError, match="names no bucket"):
         locate("s3:///x")
+
+
+def test_manager_on_s3_lists_retains_and_resumes(s3):
+    from layoutckpt._manager import collect_garbage
+
+    root = f"s3://{BUCKET}/mgr-{uuid.uuid4().hex[:8]}"
+    with lc.CheckpointManager(root, keep_last=2) as mgr:
+        assert mgr.root == root and mgr.steps() == []
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((4, 4), float(step))}, metadata={"step": step})
+        mgr.wait()
+        assert mgr.steps() == [2, 3]
+        assert mgr.path(3) == f"{root}/step_00000003"
+    assert not _keys(f"{root}/step_00000001")  # retired: every object gone
+
+    # A save killed before its commit leaves a prefix that is not listed...
+    locate(f"{root}/step_00000004").prepare()
+    locate(f"{root}/step_00000004").write("w/zarr.json", b"{}")
+    mgr = lc.CheckpointManager(root, keep_last=2, async_save=False)
+    assert mgr.steps() == [2, 3] and mgr.latest_step() == 3
+    assert torch.equal(mgr.load()["w"], torch.full((4, 4), 3.0))
+    assert mgr.metadata() == {"step": 3}
+    # ...and the step can be saved again.
+    mgr.save(4, {"w": torch.full((4, 4), 4.0)})
+    mgr.close()
+    assert lc.CheckpointManager(root).steps() == [3, 4]
+
+    assert collect_garbage(root, keep_last=1, dry_run=True) == [3]
+    assert collect_garbage(root, keep_last=1) == [3]
+    assert lc.CheckpointManager(root).steps() == [4]
