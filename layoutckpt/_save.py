@@ -33,6 +33,7 @@ from ._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
 from ._spec import Mesh, P, check_spec
 from ._staging import Staged, side_stream, stage_all
 from ._tensors import tensor_zarr_dtype
+from ._torch import is_tensor
 from ._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, retarget
 from ._version import __version__
 
@@ -72,15 +73,13 @@ class _Local:
 
 
 def _local_arrays(leaves: Mapping[str, Any]) -> list[_Local]:
-    import torch
-
     out = []
     for name, leaf in leaves.items():
         if is_dtensor(leaf):
             local = leaf.to_local()
             dtype = tensor_zarr_dtype(local, name)
             out.append(_Local(name, local, tuple(local.shape), local.element_size(), dtype, "torch", leaf))
-        elif isinstance(leaf, torch.Tensor):
+        elif is_tensor(leaf):
             dtype = tensor_zarr_dtype(leaf, name)
             out.append(_Local(name, leaf, tuple(leaf.shape), leaf.element_size(), dtype, "torch"))
         elif isinstance(leaf, np.ndarray):
@@ -92,13 +91,11 @@ def _local_arrays(leaves: Mapping[str, Any]) -> list[_Local]:
 
 def _storage_key(leaf: Any) -> Any:
     """Equal for two leaves that are the same tensor (tied weights), None where that is unknowable."""
-    import torch
-
     extra: tuple[Any, ...] = ()
     if is_dtensor(leaf):
         extra = (id(leaf.device_mesh), tuple(leaf.placements), tuple(leaf.shape))
         leaf = leaf.to_local()
-    if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or leaf.numel() == 0:
+    if not is_tensor(leaf) or leaf.device.type == "meta" or leaf.numel() == 0:
         return None
     view = (leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, str(leaf.device))
     return (leaf.untyped_storage().data_ptr(), *view, *extra)
@@ -455,6 +452,8 @@ def _flat_writes(
     Blocks inside this rank's range are views of its buffer; the others are assembled from it
     and from the fragments the neighbouring ranks send, all exchanged in one batch.
     """
+    if not flats:
+        return []
     import torch
 
     from ._tensors import from_numpy
