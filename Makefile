@@ -1,6 +1,7 @@
 # Two commands set everything up and run it:  make demo  and  make test.
 # Both create .venv (Python 3.11) and install layoutckpt with its test tools on first use.
 # make bench adds the benchmark's extras (matplotlib, safetensors) and runs benchmarks/bench.py.
+# make docs builds the MkDocs site into site/ (the docs tools come with the test extras).
 
 PYTHON ?= python3.11
 VENV := .venv
@@ -13,7 +14,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 # Extra options for benchmarks/bench.py, e.g.  make bench BENCH_ARGS='--gb 0.5 --ranks 2'
 BENCH_ARGS ?=
 
-.PHONY: venv demo test bench
+.PHONY: venv demo test bench docs
 
 venv: $(STAMP)
 
@@ -37,3 +38,6 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/bench.py --json benchmarks/results/bench.json --plot benchmarks/results/bench.png $(BENCH_ARGS)
+
+docs: venv
+	$(BIN)/python -m mkdocs build --strict
