@@ -356,6 +356,20 @@ def leftovers(root: str | os.PathLike[str]) -> list[tuple[str, str]]:
     return found
 
 
+def steps_after_cleanup(root: str | os.PathLike[str]) -> list[int]:
+    """The committed steps under ``root`` once the crash leftovers are dealt with, oldest first:
+    those committed now, and those the cleanup puts back (``leftovers``: ``"restore"``)."""
+    loc = locate(root)
+    steps = set(_committed_steps(loc))
+    if isinstance(loc, LocalDir) and loc.root.is_dir():
+        for name, action in leftovers(loc.root):
+            m = _LEFTOVER.match(name)
+            step = _STEP.match(m.group("name")) if m and action == "restore" else None
+            if step:
+                steps.add(int(step.group(1)))
+    return sorted(steps)
+
+
 def collect_garbage(
     root: str | os.PathLike[str], *, keep_last: int | None, keep_every: int | None = None, dry_run: bool = False
 ) -> list[int]:
@@ -386,7 +400,7 @@ def collect_garbage(
             2, f"no CheckpointManager root at {os.fspath(path)!r}: not a directory", os.fspath(path)
         )
     if dry_run:
-        return to_delete(_committed_steps(loc), keep_last, keep_every)
+        return to_delete(steps_after_cleanup(path), keep_last, keep_every)
     fd = _take_lock(path)
     try:
         _remove_leftovers(path)
