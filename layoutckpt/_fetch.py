@@ -98,7 +98,10 @@ class Fetcher:
         self.bytes = 0  # requested from storage
         self.seconds = 0.0  # from the first read issued to the last settled
         self._thread = threading.Thread(
-            target=self._run, args=(requests, piece_bytes or PIECE_BYTES, budget_bytes or BUDGET_BYTES), name="layoutckpt-read", daemon=True
+            target=self._run,
+            args=(requests, piece_bytes or PIECE_BYTES, budget_bytes or BUDGET_BYTES),
+            name="layoutckpt-read",
+            daemon=True,
         )
         self._thread.start()
 

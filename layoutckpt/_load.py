@@ -87,8 +87,8 @@ def load_async(
 
     Bad input (a template or layout that does not fit) raises here, before any byte is read.
     """
-    from ._tensors import ZARR_TO_TORCH, from_numpy
-    from ._torch import is_tensor, torch
+    from ._tensors import from_numpy, torch_dtype
+    from ._torch import installed, is_tensor, torch
 
     t0 = time.perf_counter()
     phases = Phases()
@@ -191,13 +191,13 @@ def load_async(
             kind = "torch" if is_tensor(target) else "numpy"
         if kind == "numpy_scalar":
             return data[()]
-        if kind == "numpy" or torch is None:  # without torch installed, every array is NumPy
+        if kind == "numpy" or not installed():  # without torch installed, every array is NumPy
             return data
         if data.size == 0:
             # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
-            return torch.zeros(data.shape, dtype=ZARR_TO_TORCH[a.dtype])
+            return torch.zeros(data.shape, dtype=torch_dtype(a.dtype))
         t = from_numpy(data, a.dtype)
-        assert t.dtype == ZARR_TO_TORCH[a.dtype]
+        assert t.dtype == torch_dtype(a.dtype)
         return t
 
     def flat_buffer(name: str) -> Any:
@@ -206,10 +206,10 @@ def load_async(
         for key, lo, hi, dst in parts:
             rows = fetcher.result(key).reshape(-1)
             buf[dst : dst + hi - lo] = rows[lo:hi]
-        if isinstance(template.get(name), np.ndarray) or torch is None:
+        if isinstance(template.get(name), np.ndarray) or not installed():
             return buf
         # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
-        return from_numpy(buf, dtype) if buf.size else torch.zeros(0, dtype=ZARR_TO_TORCH[dtype])
+        return from_numpy(buf, dtype) if buf.size else torch.zeros(0, dtype=torch_dtype(dtype))
 
     def leaf(name: str, node: Any) -> Any:
         target = template.get(name)
@@ -329,11 +329,11 @@ def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...]
             f"array {name!r}: the template holds a {type(target).__name__} there, but the checkpoint "
             "stores an array; put a tensor (a 'meta' tensor is fine) in the template"
         )
-    from ._tensors import TORCH_TO_ZARR
+    from ._tensors import zarr_name_of
     from ._torch import is_tensor
 
     if is_tensor(target):
-        dtype = TORCH_TO_ZARR.get(target.dtype)
+        dtype = zarr_name_of(target.dtype)
     else:
         from ._dtypes import NUMPY_TO_ZARR
 

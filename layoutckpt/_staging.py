@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._tensors import to_numpy
-from ._torch import is_tensor, torch
+from ._torch import installed, is_tensor, torch
 
 
 class HostBuffers:
@@ -60,6 +60,8 @@ class HostBuffers:
                 self._cond.wait()
         # Allocate outside the lock: touching fresh pages is the slow part.
         try:
+            if not self.pinned and not installed():  # NumPy-only: NumPy buffers
+                return np.empty(nbytes, dtype=np.uint8)
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
         except BaseException:
             with self._cond:
@@ -172,7 +174,8 @@ class Staged:
             return None
         self._pool = pool(pinned=False, budget=budget)
         self._buffer = self._pool.acquire(src.nbytes)
-        dst = self._buffer.numpy().view(src.dtype).reshape(src.shape)
+        raw = self._buffer if isinstance(self._buffer, np.ndarray) else self._buffer.numpy()
+        dst = raw.view(src.dtype).reshape(src.shape)
         np.copyto(dst, src, casting="no")
         self.data = dst
         return None

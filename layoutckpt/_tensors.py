@@ -6,6 +6,7 @@ and are reinterpreted as the ``ml_dtypes`` type: no bytes are copied either way.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -13,49 +14,52 @@ import numpy as np
 from ._dtypes import ZARR_TO_NUMPY
 from ._torch import torch
 
-TORCH_TO_ZARR: dict[Any, str] = (
-    {}
-    if torch is None
-    else {
-        torch.bool: "bool",
-        torch.int8: "int8",
-        torch.int16: "int16",
-        torch.int32: "int32",
-        torch.int64: "int64",
-        torch.uint8: "uint8",
-        torch.uint16: "uint16",
-        torch.uint32: "uint32",
-        torch.uint64: "uint64",
-        torch.float16: "float16",
-        torch.float32: "float32",
-        torch.float64: "float64",
-        torch.bfloat16: "bfloat16",
-        torch.float8_e4m3fn: "float8_e4m3fn",
-        torch.float8_e5m2: "float8_e5m2",
-    }
+ZARR_NAMES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
 )
-ZARR_TO_TORCH = {v: k for k, v in TORCH_TO_ZARR.items()}
-
 # Dtypes NumPy cannot hold natively, and the same-width integer used to carry their bits.
-_CARRIERS = (
-    {}
-    if torch is None
-    else {
-        torch.bfloat16: torch.int16,
-        torch.float8_e4m3fn: torch.uint8,
-        torch.float8_e5m2: torch.uint8,
-    }
-)
+_CARRIER_NAMES = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+@functools.cache
+def _tables() -> tuple[dict[Any, str], dict[str, Any], dict[Any, Any]]:
+    """torch dtype -> zarr name, its inverse, and the carriers; built (importing torch) on first use."""
+    to_zarr = {getattr(torch, n): n for n in ZARR_NAMES}
+    carriers = {getattr(torch, n): getattr(torch, c) for n, c in _CARRIER_NAMES.items()}
+    return to_zarr, {v: k for k, v in to_zarr.items()}, carriers
+
+
+def zarr_name_of(dtype: Any) -> str | None:
+    """The stored dtype name of a torch dtype, or None where it has none."""
+    return _tables()[0].get(dtype)
+
+
+def torch_dtype(zarr_dtype: str) -> Any:
+    return _tables()[1][zarr_dtype]
 
 
 def tensor_zarr_dtype(t: torch.Tensor, name: str) -> str:
-    try:
-        return TORCH_TO_ZARR[t.dtype]
-    except KeyError:
+    found = zarr_name_of(t.dtype)
+    if found is None:
         raise TypeError(
             f"array {name!r}: dtype {t.dtype} cannot be stored; supported dtypes are "
-            f"{sorted(str(d) for d in TORCH_TO_ZARR)}; cast it before saving"
-        ) from None
+            f"{sorted(f'torch.{n}' for n in ZARR_NAMES)}; cast it before saving"
+        )
+    return found
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -63,16 +67,17 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    carrier = _CARRIERS.get(t.dtype)
+    to_zarr, _, carriers = _tables()
+    carrier = carriers.get(t.dtype)
     if carrier is None:
         return t.numpy()
-    return t.view(carrier).numpy().view(ZARR_TO_NUMPY[TORCH_TO_ZARR[t.dtype]])
+    return t.view(carrier).numpy().view(ZARR_TO_NUMPY[to_zarr[t.dtype]])
 
 
 def from_numpy(a: np.ndarray, zarr_dtype: str) -> torch.Tensor:
     """A torch tensor sharing ``a``'s memory, of the torch dtype matching ``zarr_dtype``."""
-    dtype = ZARR_TO_TORCH[zarr_dtype]
-    carrier = _CARRIERS.get(dtype)
+    dtype = torch_dtype(zarr_dtype)
+    carrier = _tables()[2].get(dtype)
     if not a.flags.writeable:
         a = a.copy()
     if carrier is None:

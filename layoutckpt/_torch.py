@@ -1,26 +1,54 @@
-"""PyTorch when it is installed, ``None`` when it is not.
+"""PyTorch, imported only when a tensor needs it.
 
 Reading a checkpoint (``lc.open``, the command line, ``layoutckpt.jax``) needs only NumPy and
-TensorStore, so every module imports torch through here and the package imports without it.
-Saving torch tensors and loading into them need torch, and only they reach for it.
+TensorStore, so ``import layoutckpt`` must neither need torch nor pay the second or so that
+importing it costs. ``torch`` and ``dist`` here import on first use; the checks below look at
+``sys.modules`` only, since a tensor or a process group cannot exist before torch is imported.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 from typing import Any
 
-try:
-    import torch
-    import torch.distributed as dist
-except ImportError:  # a NumPy-only environment
-    torch = None  # type: ignore[assignment]
-    dist = None  # type: ignore[assignment]
+
+class _Lazy:
+    """A module imported on its first attribute access (ImportError then if it is absent)."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self._name!r}>"
+
+
+torch: Any = _Lazy("torch")
+dist: Any = _Lazy("torch.distributed")
 
 
 def is_tensor(x: Any) -> bool:
-    return torch is not None and isinstance(x, torch.Tensor)
+    module = sys.modules.get("torch")
+    return module is not None and isinstance(x, module.Tensor)
 
 
 def distributed() -> bool:
     """Whether this process is one rank of an initialized ``torch.distributed`` world."""
-    return dist is not None and dist.is_available() and dist.is_initialized()
+    module = sys.modules.get("torch.distributed")
+    return module is not None and module.is_available() and module.is_initialized()
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether torch can be imported (importing it: only asked where a tensor is to be made)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True

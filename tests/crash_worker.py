@@ -205,10 +205,10 @@ class _KillingOpen:
 class _CommitComm:
     """The commit's communicator on a rank other than 0, dying after the agreement or the status."""
 
-    def __init__(self, comm: Any, tmp: Path, final: Path, phase: str) -> None:
+    def __init__(self, comm: Any, tmp: Any, final: Any, phase: str) -> None:
         self._comm = comm
-        self._tmp = tmp
-        self._final = final
+        self._tmp = tmp.root  # the local staging directory and destination (LocalDir)
+        self._final = final.root
         self._phase = phase
 
     def __getattr__(self, name: str) -> Any:
@@ -271,7 +271,7 @@ def install_hooks(rank: int, kill_at: str | None, kill_rank: int) -> None:
 
     commit = _save._commit
 
-    def traced_commit(comm: Any, tmp: Path, final: Path, *args: Any, **kwargs: Any) -> Any:
+    def traced_commit(comm: Any, tmp: Any, final: Any, *args: Any, **kwargs: Any) -> Any:
         trace("agree")
         if rank != 0 and kill == "before-marker":
             die()

@@ -397,7 +397,9 @@ def _peak_growth(*args: str) -> int:
     done = subprocess.run([sys.executable, "-c", _MEASURE, *args], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     before, growth = map(int, done.stdout.split()[-2:])
-    assert before > 100 * 2**20, "the baseline should include torch and TensorStore, already loaded"
+    # Export and import need no torch (import layoutckpt leaves it unimported): the baseline
+    # holds NumPy, TensorStore and zarr, already loaded.
+    assert before > 40 * 2**20, "the baseline should include TensorStore and zarr, already loaded"
     return growth
 
 
