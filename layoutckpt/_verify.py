@@ -1,0 +1,205 @@
+"""``verify``: read every stored byte of a checkpoint once and report every problem found.
+
+For each array: its own ``zarr.json`` agrees with the root document (plain zarr reads only that
+one); every shard file its grid needs is stored (in checkpoints marked ``all_chunks_stored``;
+older ones could leave out all-zero shards, which read as zeros); and every shard, read through
+TensorStore, passes the crc32c checks of its index and inner chunks (``DATA_LOSS``) with no inner
+chunk missing (``NOT_FOUND``). Then every per-rank document must parse. A damaged array does not
+stop the others from being checked.
+
+Memory stays bounded whatever the sizes: shards are read in the loader's pieces of whole
+inner-chunk rows (``_readplan.read_pieces``), at most ``BUDGET_BYTES`` of them in flight, and
+each result is dropped once checked.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from . import _readplan, _store
+from ._errors import FormatError, IntegrityError
+from ._plan import Box, box_shape
+from ._reader import Reader
+from ._shardfile import chunk_key, grid_cells
+
+BUDGET_BYTES = 64 << 20
+
+
+@attrs.frozen
+class Finding:
+    """A problem (or, as a warning, a remark) about an array, one of its shards, or the checkpoint."""
+
+    array: str | None
+    shard: str | None
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"array": self.array, "shard": self.shard, "text": self.text}
+
+
+@attrs.define
+class Verification:
+    """What ``verify`` checked (counts of what is stored) and what it found."""
+
+    path: str
+    arrays: int = 0
+    shards: int = 0
+    chunks: int = 0  # inner chunks
+    nbytes: int = 0  # decoded bytes of the shards read
+    rank_states: int = 0
+    problems: list[Finding] = attrs.field(factory=list)
+    warnings: list[Finding] = attrs.field(factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def damaged_arrays(self) -> list[str]:
+        return sorted({p.array for p in self.problems if p.array is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "arrays": self.arrays,
+            "shards": self.shards,
+            "chunks": self.chunks,
+            "bytes": self.nbytes,
+            "rank_states": self.rank_states,
+            "damaged_arrays": self.damaged_arrays,
+            "problems": [p.to_dict() for p in self.problems],
+            "warnings": [w.to_dict() for w in self.warnings],
+        }
+
+
+def cell_box(shape: tuple[int, ...], shard: tuple[int, ...], cell: tuple[int, ...]) -> Box:
+    """The elements of the array that shard ``cell`` holds."""
+    return tuple((i * s, min((i + 1) * s, n)) for n, s, i in zip(shape, shard, cell))
+
+
+def inner_count(box: Box, inner: tuple[int, ...]) -> int:
+    """Inner chunks of a shard that hold elements of the array (the others are never stored)."""
+    return math.prod(-(-(b - a) // c) for (a, b), c in zip(box, inner))
+
+
+def stored_shards(rd: Reader, name: str, v: Verification) -> set[str]:
+    """Check the array's ``zarr.json`` and that the shard files its grid needs are stored; the
+    keys of those that are (only they are read)."""
+    a = rd.meta.arrays[name]
+    kv = rd.tensorstore(name).kvstore
+    raw = kv.read("zarr.json").result()
+    if raw.state != "value":
+        v.problems.append(Finding(name, None, "its zarr.json is missing: plain zarr cannot open it (layoutckpt can)"))
+    else:
+        try:
+            agrees = json.loads(bytes(raw.value)) == a.zarr_metadata()
+        except ValueError:
+            agrees = False
+        if not agrees:
+            text = "its zarr.json disagrees with the checkpoint's root metadata: plain zarr would misread it"
+            v.problems.append(Finding(name, None, text))
+    present = {k.decode() for k in kv.list().result()}
+    expected = [chunk_key(cell) for cell in grid_cells(a.shape, a.shard_shape)]
+    for key in expected:
+        if key in present:
+            continue
+        if rd.meta.all_chunks_stored:
+            v.problems.append(Finding(name, key, "the shard file is missing"))
+        else:
+            # Checkpoints older than ``all_chunks_stored`` left out all-zero shards.
+            v.warnings.append(Finding(name, key, "absent: reads as zeros (allowed in this checkpoint)"))
+    unexpected = sorted(present - set(expected) - {"zarr.json"})
+    if unexpected:
+        v.warnings.append(Finding(name, None, f"files the format does not know: {unexpected[:5]}"))
+    return present
+
+
+def _reads(rd: Reader, name: str, present: set[str]) -> Iterator[tuple[str, Box]]:
+    """(shard key, piece) of reads that cover every stored shard of ``name`` once."""
+    a = rd.meta.arrays[name]
+    for cell in grid_cells(a.shape, a.shard_shape):
+        key = chunk_key(cell)
+        if key in present:
+            for piece in _readplan.read_pieces(a, cell_box(a.shape, a.shard_shape, cell)):
+                yield key, piece
+
+
+def _damage(err: IntegrityError) -> str:
+    text = str(err)
+    if "NOT_FOUND" in text:
+        reason = "an inner chunk is missing from the shard"
+    else:
+        reason = "fails its checksum (crc32c of an inner chunk or of the shard index)"
+    entry = re.search(r"shard entry (\{[\d, ]*\})", text)
+    if entry:  # TensorStore names the inner chunk by its position in the shard
+        reason += f", inner chunk {entry.group(1)}"
+    return reason
+
+
+def verify(rd: Reader, *, progress: Callable[[int, int], None] | None = None) -> Verification:
+    """Check the checkpoint ``rd`` reads; ``progress(bytes_done, bytes_total)`` after each read."""
+    v = Verification(rd.path)
+    present: dict[str, set[str]] = {}
+    for name in rd.keys():
+        try:
+            present[name] = stored_shards(rd, name, v)
+        except (ValueError, OSError) as err:
+            v.problems.append(Finding(name, None, f"cannot list its files: {err}"))
+            present[name] = set()
+    total = 0
+    for name, keys in present.items():
+        a = rd.meta.arrays[name]
+        itemsize = rd.info(name).dtype.itemsize
+        v.arrays += 1
+        for cell in grid_cells(a.shape, a.shard_shape):
+            if chunk_key(cell) in keys:
+                box = cell_box(a.shape, a.shard_shape, cell)
+                v.shards += 1
+                v.chunks += inner_count(box, a.inner_chunk_shape)
+                total += itemsize * math.prod(box_shape(box))
+
+    damaged: set[tuple[str, str]] = set()
+    pending: collections.deque[tuple[str, str, int, Any]] = collections.deque()
+    in_flight = 0
+
+    def settle() -> int:
+        name, key, nbytes, future = pending.popleft()
+        try:
+            _store.read_result(future, name, rd.path)
+        except IntegrityError as err:
+            if (name, key) not in damaged:  # one finding per shard, however many pieces fail
+                damaged.add((name, key))
+                v.problems.append(Finding(name, key, _damage(err)))
+        v.nbytes += nbytes
+        if progress is not None:
+            progress(v.nbytes, total)
+        return nbytes
+
+    for name, keys in present.items():
+        itemsize = rd.info(name).dtype.itemsize
+        for key, piece in _reads(rd, name, keys):
+            nbytes = itemsize * math.prod(box_shape(piece))
+            while pending and in_flight + nbytes > BUDGET_BYTES:
+                in_flight -= settle()
+            index = tuple(slice(lo, hi) for lo, hi in piece)
+            pending.append((name, key, nbytes, rd.read_async(name, index if piece else None)))
+            in_flight += nbytes
+    while pending:
+        settle()
+
+    if rd.meta.rank_state_world is not None:
+        try:
+            v.rank_states = len(rd.rank_states())
+        except (FormatError, OSError, ValueError, KeyError) as err:
+            v.problems.append(Finding(None, None, f"per-rank state: {err}"))
+        except ImportError as err:  # a document holding torch tensors, in a NumPy-only install
+            v.warnings.append(Finding(None, None, f"per-rank state not decoded: {err}"))
+    return v
