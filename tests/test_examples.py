@@ -12,9 +12,11 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("*.py"))
 
-# Arguments given to an example (``{out}``: a fresh directory), and lines (substrings) it must
-# print; an example not listed here runs with no arguments and must still exit 0.
-ARGS = {"demo.py": ["{out}"]}
+# Arguments given to an example (``{out}``: a path that does not exist yet; ``{tmp}``: an empty
+# directory), so that what it writes stays in the test's temporary directory.
+ARGS = {"demo.py": ["{out}"], "train_loop.py": ["{tmp}"]}
+# Lines (substrings) each example must print: every script in examples/ is listed, so a new one
+# says what it shows.
 EXPECTED = {
     "demo.py": [
         "[1] save from 4 ranks, Mesh({'dp': 2, 'tp': 2})",
@@ -26,6 +28,12 @@ EXPECTED = {
         "[3] resume on 3 ranks, Mesh({'tp': 3})",
         "arrays on every rank equal torch.chunk slices of the full tensors",
         "demo: OK",
+    ],
+    "train_loop.py": [
+        "uninterrupted losses: [",
+        "resumed at step 6:",
+        "committed steps kept (keep_last=2): [5, 7]",
+        "train_loop: OK",
     ],
 }
 
@@ -43,14 +51,15 @@ def _run(script: Path, *args: str, timeout: float = 240) -> subprocess.Completed
     )
 
 
-def test_examples_exist():
+def test_every_example_is_checked():
     assert any(s.name == "demo.py" for s in SCRIPTS)
-    assert set(EXPECTED) <= {s.name for s in SCRIPTS}
+    assert set(EXPECTED) == {s.name for s in SCRIPTS}, "list what each script in examples/ must print in EXPECTED"
+    assert set(ARGS) <= set(EXPECTED)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_example_runs(script: Path, tmp_path: Path):
-    proc = _run(script, *(a.format(out=tmp_path / "out") for a in ARGS.get(script.name, [])))
+    proc = _run(script, *(a.format(out=tmp_path / "out", tmp=tmp_path) for a in ARGS.get(script.name, [])))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{script.name} exited {proc.returncode}:\n{output}"
     for line in EXPECTED.get(script.name, []):
