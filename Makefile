@@ -28,8 +28,8 @@ demo: venv
 	$(BIN)/python examples/demo.py
 
 test: venv
-	$(BIN)/ruff check layoutckpt tests examples
-	$(BIN)/ruff format --check layoutckpt tests examples
+	$(BIN)/ruff check layoutckpt tests examples benchmarks docs/doctest_blocks.py
+	$(BIN)/ruff format --check layoutckpt tests examples benchmarks docs/doctest_blocks.py
 	$(BIN)/python -m pytest -q
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml

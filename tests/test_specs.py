@@ -153,6 +153,10 @@ EXPECTED = {
     "optim.exp_avg.model.layers.3.self_attn.q_proj.weight": (REPL, DP, COL, FSDP_COL),
     "optim.exp_avg.model.layers.3.mlp.down_proj.weight": (REPL, DP, ROW, FSDP_ROW),
     "optim.exp_avg.lm_head.weight": (REPL, DP, VOCAB_SPLIT, FSDP_COL),
+    # lc.get_state keys moments per parameter: they take their parameter's spec too.
+    "optim.state.model.layers.3.self_attn.q_proj.weight.exp_avg": (REPL, DP, COL, FSDP_COL),
+    "optim.state.model.layers.3.mlp.down_proj.weight.exp_avg_sq": (REPL, DP, ROW, FSDP_ROW),
+    "optim.state.model.embed_tokens.weight.exp_avg": (REPL, DP, VOCAB_SPLIT, FSDP_COL),
     "optim.step": (REPL, REPL, REPL, REPL),
 }
 
