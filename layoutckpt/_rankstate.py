@@ -94,7 +94,9 @@ def decode(node: Any) -> Any:
     if "ndarray" in node:
         a = node["ndarray"]
         data = np.frombuffer(base64.b64decode(a["base64"]), dtype=numpy_dtype(a["dtype"])).reshape(a["shape"]).copy()
-        if a["kind"] == "torch":
+        from ._torch import installed
+
+        if a["kind"] == "torch" and installed():  # without torch, NumPy as lc.load gives
             from ._tensors import from_numpy
 
             return from_numpy(data, a["dtype"])

@@ -35,7 +35,7 @@ def _checkpoint(tmp_path):
         "e": torch.arange(16, dtype=torch.bfloat16),
         "meta": {"step": 5, "name": "tiny"},
     }
-    lc.save(path, state, metadata={"run": "a"})
+    lc.save(path, state, metadata={"run": "a"}, rank_state={"rng": torch.arange(4, dtype=torch.uint8)})
     return path
 
 
@@ -51,6 +51,8 @@ def test_open_and_load_without_torch(tmp_path):
             meta = rd.metadata
         out = lc.load(path)
         assert isinstance(out["w"], np.ndarray) and str(out["e"].dtype) == "bfloat16"
+        (rank0,) = lc.open(path).rank_states()  # torch tensors saved there come back as NumPy
+        assert rank0["rng"].tolist() == [0, 1, 2, 3] and isinstance(rank0["rng"], np.ndarray)
         print(json.dumps({"part": part.tolist(), "meta": meta, "step": out["meta"]["step"],
                           "e": out["e"].astype(np.float32).tolist(), "sum": float(out["w"].sum())}))
         """,
