@@ -238,3 +238,19 @@ def test_manager_on_s3_lists_retains_and_resumes(s3):
     assert collect_garbage(root, keep_last=1, dry_run=True) == [3]
     assert collect_garbage(root, keep_last=1) == [3]
     assert lc.CheckpointManager(root).steps() == [4]
+
+
+def test_request_concurrency_and_retries_are_configurable(monkeypatch, tmp_path):
+    from layoutckpt import _store
+
+    monkeypatch.setenv("LAYOUTCKPT_MAX_RETRIES", "3")
+    spec = _store.context(concurrency=8).spec.to_json()
+    for driver in ("s3", "gcs"):
+        assert spec[f"{driver}_request_concurrency"] == {"limit": 8}
+        assert spec[f"{driver}_request_retries"]["max_retries"] == 3
+    assert spec["file_io_concurrency"] == {"limit": 8}
+    # The concurrency= of a load reaches the store it opens.
+    url = tmp_path / "ck"
+    lc.save(url, {"x": np.arange(5)}, concurrency=4)
+    with lc.open(url, concurrency=4) as rd:
+        assert rd.tensorstore("x").spec(retain_context=True).to_json()["context"]["file_io_concurrency"] == {"limit": 4}
