@@ -85,14 +85,17 @@ class Flat:
 
     @property
     def axes(self) -> tuple[str, ...]:
+        """The mesh axes of ``axis`` as a tuple, major to minor."""
         return entry_axes(self.axis)
 
     @property
     def total(self) -> int:
+        """Elements in the concatenation of all the parameters (padding not included)."""
         return sum(math.prod(s) for _, s in self.params)
 
     @property
     def offsets(self) -> tuple[int, ...]:
+        """Where each parameter starts in the concatenation, in elements, in ``params`` order."""
         out, at = [], 0
         for _, shape in self.params:
             out.append(at)
@@ -100,9 +103,14 @@ class Flat:
         return tuple(out)
 
     def pieces(self, mesh: Mesh) -> int:
+        """Into how many ranges the concatenation is cut on ``mesh``: the product of the sizes of
+        ``axes``. ``LayoutError`` if ``mesh`` lacks one of them."""
         return math.prod(mesh.axis_size(a) for a in self.axes)
 
     def check(self, mesh: Mesh, name: str) -> None:
+        """Raise a ``LayoutError`` naming the flat array ``name`` unless it fits ``mesh``: every
+        axis on the mesh, and ``bounds`` (if given) one more than the pieces, ending at or past
+        ``total``."""
         for a in self.axes:
             if a not in mesh.axis_names:
                 raise LayoutError(
@@ -139,6 +147,7 @@ class Flat:
         return piece, replica
 
     def rank_of(self, mesh: Mesh, piece: int, replica: int) -> int:
+        """The rank holding piece ``piece``, replica ``replica``: the inverse of ``piece_of``."""
         coords: dict[str, int] = {}
         for axis in reversed(self.axes):
             piece, coords[axis] = divmod(piece, mesh.axis_size(axis))
@@ -148,6 +157,7 @@ class Flat:
         return mesh.rank_of(coords)
 
     def replicas(self, mesh: Mesh) -> int:
+        """How many ranks hold each piece: the product of the sizes of the other mesh axes."""
         return mesh.size // self.pieces(mesh)
 
 

@@ -29,6 +29,7 @@ class SaveFuture(_Future[Any]):
     ``wait_staged()`` returns once the state has been copied out of the live tensors (call it
     before the optimizer mutates them); ``result()`` returns the ``SaveResult`` once the
     checkpoint is committed on every rank, or raises the error of whichever rank failed.
+    ``path`` is where it saves.
     """
 
     def __init__(self, path: str) -> None:
@@ -54,6 +55,7 @@ class SaveFuture(_Future[Any]):
             self._wait_staged_hook()
 
     def staged(self) -> bool:
+        """Whether staging has finished (the live tensors may be mutated); never blocks."""
         return self._staged.is_set()
 
     def add_done_callback(self, fn: Callable[[SaveFuture], None]) -> None:
@@ -71,6 +73,11 @@ class SaveFuture(_Future[Any]):
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the save (up to ``timeout`` seconds); its failure, or None if it committed.
+
+        A failure returned here counts as seen: the next ``save_async`` does not raise it.
+        Raises ``TimeoutError`` if the save is still running after ``timeout``.
+        """
         err = self._future.exception(timeout)
         if err is not None:
             self._observed = True
@@ -108,6 +115,12 @@ class LoadFuture(_Future[T]):
         return self._future.done() or self._reads is None or self._reads.done()
 
     def result(self, timeout: float | None = None) -> T:
+        """Wait for the reads, build the loaded state and return it (what ``load`` returns).
+
+        Raises the load's failure (e.g. ``IntegrityError`` for a damaged chunk), again on every
+        call. Once it has returned, ``metrics`` holds this rank's phases. ``timeout`` is
+        accepted but not enforced: the call waits for every read.
+        """
         with self._lock:
             if not self._future.done():
                 try:

@@ -7,6 +7,7 @@ A layout is declared in code or in a TOML file under ``specs/``. The first rule 
 from __future__ import annotations
 
 import ast
+import difflib
 import os
 import re
 import tomllib
@@ -20,6 +21,10 @@ from ._flat import Flat
 from ._spec import Mesh, P
 
 Rule = tuple[str, "P | Flat"]
+
+# The keys of a [[rules]] table in a layout file; anything else is a typo, refused by name.
+RULE_KEYS = ("match", "spec", "note")
+_RULE_KEYS_TEXT = "'match' and 'spec' (and an optional 'note')"
 
 
 def _parse_rules(rules: Iterable[tuple[str, P | Flat]]) -> tuple[Rule, ...]:
@@ -44,6 +49,10 @@ def _parse_rules(rules: Iterable[tuple[str, P | Flat]]) -> tuple[Rule, ...]:
 class Layout:
     """How every array of a state is split over ``mesh``: the first matching rule wins.
 
+    ``rules`` are (regex, spec) pairs, a spec being a ``P`` or a ``Flat``; a rule is refused
+    with a ``LayoutError`` naming it when its regex is invalid or its spec names an axis the
+    mesh lacks (or one axis twice).
+
     >>> layout = Layout(Mesh({"tp": 2}), [(r"\\.q_proj\\.weight$", P("tp", None)), (r".*", P())])
     >>> layout.spec_for("model.layers.0.q_proj.weight")
     P('tp', None)
@@ -57,7 +66,12 @@ class Layout:
         if not isinstance(self.mesh, Mesh):
             raise LayoutError(f"Layout needs a Mesh, got {self.mesh!r}")
         for pattern, spec in self.rules:
-            for axis in spec.axes:
+            for j, axis in enumerate(spec.axes):
+                if axis in spec.axes[:j]:
+                    raise LayoutError(
+                        f"Layout rule {pattern!r}: spec {spec!r} uses axis {axis!r} twice; "
+                        "name each mesh axis at most once"
+                    )
                 if axis not in self.mesh.axis_names:
                     raise LayoutError(
                         f"Layout rule {pattern!r}: spec {spec!r} names axis {axis!r}, which "
@@ -78,6 +92,11 @@ class Layout:
         return None
 
     def spec_for(self, name: str) -> P | Flat:
+        """The spec of the array named ``name``: that of the first rule whose pattern matches it.
+
+        Raises ``LayoutError`` if no rule matches (end the rules with ``(r".*", P())`` to
+        replicate the rest).
+        """
         rule = self.rule_for(name)
         if rule is not None:
             return rule[1]
@@ -96,10 +115,16 @@ class Layout:
         return tuple((p, s) for p, s in self.rules if isinstance(s, P))
 
     def to_json(self) -> dict[str, Any]:
+        """The layout as JSON: ``{"mesh": [[axis, size], ...], "rules": [[pattern, spec], ...]}``.
+
+        Each spec is a list of entries (``None``, an axis name, or a list of axis names), as a
+        checkpoint's root metadata stores them. Flat rules are left out (see ``spec_rules``).
+        """
         return {"mesh": self.mesh.to_json(), "rules": [[p, s.to_json()] for p, s in self.spec_rules]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Layout:
+        """The layout ``to_json`` wrote; ``LayoutError`` if the mesh, a spec or a rule is invalid."""
         return cls(Mesh.from_json(data["mesh"]), [(p, P.from_json(s)) for p, s in data["rules"]])
 
     @classmethod
@@ -114,6 +139,13 @@ class Layout:
 
     @classmethod
     def from_toml_dict(cls, doc: Mapping[str, Any], mesh: Mesh | None = None, source: str = "<toml>") -> Layout:
+        """``from_file`` for a TOML document already parsed (the dict ``tomllib.loads`` returns).
+
+        ``mesh`` overrides the document's ``[mesh]``; ``source`` names the document in error
+        messages. Raises ``LayoutError`` naming the source, the rule index and what is wrong: a
+        missing mesh, an unknown key in a rule, a spec that is not a ``P(...)`` literal, or an
+        axis the mesh lacks.
+        """
         if mesh is None:
             if "mesh" not in doc:
                 raise LayoutError(f"{source}: has no [mesh] table; pass mesh= to Layout.from_file")
@@ -136,8 +168,18 @@ class Layout:
             raise LayoutError(f"{source}: needs a non-empty [[rules]] array of {{match, spec}} tables")
         parsed: list[tuple[str, P]] = []
         for i, rule in enumerate(rules):
-            if not isinstance(rule, dict) or set(rule) - {"match", "spec", "note"} or "match" not in rule:
-                raise LayoutError(f"{source}: rule #{i} must be a table with keys 'match' and 'spec'")
+            if not isinstance(rule, dict):
+                raise LayoutError(f"{source}: rule #{i} must be a table with keys {_RULE_KEYS_TEXT}, got {rule!r}")
+            unknown = [key for key in rule if key not in RULE_KEYS]
+            if unknown:
+                guesses = {k: difflib.get_close_matches(k, RULE_KEYS, n=1) for k in unknown}
+                hint = "".join(f"; did you mean {g[0]!r} for {k!r}?" for k, g in guesses.items() if g)
+                raise LayoutError(
+                    f"{source}: rule #{i} has unknown key(s) {', '.join(map(repr, unknown))}; "
+                    f"a rule is a table with keys {_RULE_KEYS_TEXT}{hint}"
+                )
+            if "match" not in rule:
+                raise LayoutError(f"{source}: rule #{i} lacks 'match'; a rule is a table with keys {_RULE_KEYS_TEXT}")
             parsed.append((rule["match"], parse_spec(rule.get("spec", "P()"), f"{source}: rule #{i}")))
         try:
             return cls(mesh, parsed)

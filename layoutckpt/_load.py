@@ -56,17 +56,32 @@ def load(
     strict: bool = True,
     inplace: bool = False,
     group: Any = None,
-    concurrency: int = _store.DEFAULT_CONCURRENCY,
+    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
 ) -> Any:
     """Load this rank's shards of every (selected) array under ``layout``, in the saved tree.
 
-    ``layout`` defaults to every array whole on every rank. With ``like=`` the result takes the
-    template's tree, and each template leaf must match the shape and dtype this rank would load;
-    with ``strict`` (default) stored arrays the template lacks are an error, not a silent drop.
-    A ``DTensor`` in the template is loaded as a DTensor with its mesh and placements (no rule
-    needed; its tensors may be on ``meta``). With ``inplace=True`` the data is copied into the
-    template's tensors, which are returned. A damaged chunk raises ``IntegrityError`` naming
-    its array.
+    ``path`` is a committed checkpoint, in any form ``save`` takes (a local directory,
+    ``file://``, ``s3://bucket/prefix``, ``gs://``, ``memory://``, or a TensorStore kvstore
+    dict). ``layout`` may differ from the one the checkpoint was saved with (any mesh, any
+    specs); it defaults to every array whole on every rank. Arrays come back as CPU
+    ``torch.Tensor``s (NumPy arrays where they were saved from NumPy, or without torch), and
+    JSON values as Python values.
+
+    With ``like=`` the result takes the template's tree, and each template leaf must match the
+    shape and dtype this rank would load (else ``TemplateMismatchError``); a loaded tensor goes
+    to its template leaf's device. With ``strict`` (default) stored arrays the template lacks
+    are an error, not a silent drop. A ``DTensor`` in the template is loaded as a DTensor with
+    its mesh and placements (no rule needed; its tensors may be on ``meta``). With
+    ``inplace=True`` the data is copied into the template's tensors, which are returned.
+    ``select`` loads only some leaves, the rest left out of the result: a regex
+    (``re.search``-ed in each global name), a callable ``name -> bool``, or an iterable of
+    names (a name the checkpoint lacks raises ``KeyError``). ``group`` is the
+    ``torch.distributed`` process group whose ranks load together (default: the default group,
+    or a world of one). ``concurrency`` bounds the storage requests in flight.
+
+    A missing checkpoint raises ``CheckpointNotFoundError``, a layout that does not fit an
+    array ``LayoutError`` (both before any byte is read), and a damaged chunk
+    ``IntegrityError`` naming its array.
     """
     options = dict(like=like, select=select, strict=strict, inplace=inplace, group=group, concurrency=concurrency)
     return load_async(path, layout, **options).result()
@@ -81,11 +96,14 @@ def load_async(
     strict: bool = True,
     inplace: bool = False,
     group: Any = None,
-    concurrency: int = _store.DEFAULT_CONCURRENCY,
+    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
 ) -> LoadFuture[Any]:
     """Plan the load and put every read in flight; ``result()`` waits and builds the state.
 
-    Bad input (a template or layout that does not fit) raises here, before any byte is read.
+    Takes the arguments of ``load`` and returns a ``LoadFuture``; ``fut.result()`` returns what
+    ``load`` would, after which ``fut.metrics`` holds this rank's phases (plan, read, place),
+    bytes and requests. Bad input (a template or layout that does not fit) raises here, before
+    any byte is read.
     """
     from ._tensors import from_numpy, torch_dtype
     from ._torch import installed, is_tensor, torch

@@ -132,6 +132,10 @@ class CheckpointManager:
 
     # Listing ------------------------------------------------------------------------------------
     def path(self, step: int) -> Path | str:
+        """Where ``step`` is (or would be) saved: a ``Path`` under a local root, else a URL.
+
+        Whether a checkpoint is committed there is not checked; ``steps()`` lists those.
+        """
         if isinstance(self.root, Path):
             return self.root / step_dir(step)
         return f"{self.root}/{step_dir(step)}"
@@ -141,6 +145,7 @@ class CheckpointManager:
         return _committed_steps(self._loc)
 
     def latest_step(self) -> int | None:
+        """The newest committed step, or None if there is none yet (a save in progress is not one)."""
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -254,6 +259,11 @@ class CheckpointManager:
         return load_state(self._resolve(step), model, optimizer, layout, group=self._group, **options)
 
     def load_rank_state(self, step: int | None = None, *, redistribute: Any = None) -> Any:
+        """This rank's ``rank_state=`` of ``step`` (default: the latest); see ``lc.load_rank_state``.
+
+        ``redistribute(states, rank, world)`` maps the saved ranks' documents to this rank's when
+        the world size changed. Raises ``CheckpointNotFoundError`` if there is no such step.
+        """
         return load_rank_state(self._resolve(step), group=self._group, redistribute=redistribute)
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -261,6 +271,11 @@ class CheckpointManager:
         return dict(_store.read_meta(self._resolve(step)).user_metadata)
 
     def reader(self, step: int | None = None) -> Reader:
+        """A ``Reader`` (as ``lc.open`` returns) of ``step`` (default: the latest committed).
+
+        Raises ``CheckpointNotFoundError`` if there is no such step. Use it as
+        ``with mgr.reader() as rd:``.
+        """
         return Reader(self._resolve(step))
 
 

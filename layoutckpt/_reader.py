@@ -24,7 +24,17 @@ from ._tree import decode_value, leaf_nodes
 
 @attrs.frozen
 class ArrayInfo:
-    """How one array is stored: global shape and dtype, chunking, and the spec it was saved with."""
+    """How one array is stored: global shape and dtype, chunking, and the spec it was saved with.
+
+    ``name`` is the global name asked for (a name tied to another at save time describes the
+    array stored under the first name). ``shape`` is the global shape and ``dtype`` the NumPy
+    dtype (``ml_dtypes`` types for bfloat16 and float8). ``shard_shape`` is the shape of one
+    stored shard (the Zarr chunk, one writer's box) and ``inner_chunk_shape`` that of an inner
+    chunk, the smallest unit a read fetches. ``spec`` and ``saved_mesh`` are the partition spec
+    and mesh it was saved with; loading may use any other. ``kind`` is what was saved:
+    ``"torch"``, ``"numpy"`` or ``"numpy_scalar"``. ``compression`` is ``"zstd"``, ``"blosc"``
+    or ``None``.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -38,26 +48,34 @@ class ArrayInfo:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole array, uncompressed: the number of elements times the item size."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
 class Reader:
-    """Read arrays (or slices) and values of a committed checkpoint.
+    """Read arrays (or slices) and values of a committed checkpoint; ``open`` makes one.
+
+    ``aliases`` maps each name tied to another at save time (shared weights) to the name its
+    array is stored under; ``read`` and ``info`` accept either name.
 
     >>> rd = open(path)                         # doctest: +SKIP
     >>> rd.read("model.embed.weight", np.s_[0:8, :])  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, concurrency: int = _store.DEFAULT_CONCURRENCY) -> None:
+    # concurrency: _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks.
+    def __init__(self, path: str | os.PathLike[str], *, concurrency: int = 32) -> None:
         self._root = locate(path)
         self.path = self._root.url if isinstance(path, Mapping) else os.fspath(path)
+        """The path the reader was opened with (a kvstore dict's URL)."""
         self.meta: CheckpointMeta = _store.read_meta(self._root)
+        """The parsed root metadata of the checkpoint."""
         self._ctx = _store.context(concurrency)
         self._stores: dict[str, ts.TensorStore] = {}
         nodes = list(leaf_nodes(self.meta.tree))
         self._values = {name: node for name, node in nodes if "array" not in node}
         # Names tied at save time (shared weights) read the array stored under the first name.
         self.aliases: dict[str, str] = {n: node["array"] for n, node in nodes if node.get("array", n) != n}
+        """``{name: stored name}`` for the names tied to another at save time (shared weights)."""
 
     def __repr__(self) -> str:
         return f"Reader({self.path!r}, step={self.step}, arrays={len(self.meta.arrays)})"
@@ -69,10 +87,12 @@ class Reader:
         self.close()
 
     def close(self) -> None:
+        """Drop the arrays opened so far; ``with`` calls it. A later read opens them again."""
         self._stores.clear()
 
     @property
     def step(self) -> int | None:
+        """The ``step=`` the checkpoint was saved with, or None."""
         return self.meta.step
 
     @property
@@ -107,6 +127,11 @@ class Reader:
             raise KeyError(f"no array {name!r} in checkpoint {self.path!r}{hint}; rd.keys() lists them") from None
 
     def info(self, name: str) -> ArrayInfo:
+        """How array ``name`` is stored (an ``ArrayInfo``), from the metadata: no data is read.
+
+        Raises ``KeyError``, with similar names, if the checkpoint holds no such array (a JSON
+        leaf is not an array: ``value_keys()`` lists those).
+        """
         a = self._array(name)
         return ArrayInfo(
             name=name,
@@ -147,6 +172,14 @@ class Reader:
         return _store.read_result(self.read_async(name, index), name, self.path)
 
 
-def open(path: str | os.PathLike[str], **kwargs: Any) -> Reader:  # noqa: A001 - the verb of the API
-    """Open a committed checkpoint for lazy reading in a single process."""
-    return Reader(path, **kwargs)
+def open(path: str | os.PathLike[str], *, concurrency: int = 32) -> Reader:  # noqa: A001 - the verb of the API
+    """Open a committed checkpoint for lazy reading in a single process.
+
+    ``path`` takes every form ``save`` does: a local directory, ``file://``,
+    ``s3://bucket/prefix``, ``gs://``, ``memory://``, or a TensorStore kvstore dict. Only the
+    root metadata is read here; arrays are fetched by ``read``, inner chunk by inner chunk.
+    ``concurrency`` bounds the storage requests in flight (file operations, or S3/GCS requests).
+    Raises ``CheckpointNotFoundError`` if no committed checkpoint is at ``path``, and
+    ``FormatError`` if its metadata is corrupt or of a newer format.
+    """
+    return Reader(path, concurrency=concurrency)

@@ -47,6 +47,7 @@ class SaveResult:
     ``seconds`` runs from the call to the commit; ``blocked_seconds`` is how long the call held
     the caller (for ``save_async``, checks, planning and staging; for ``save``, all of it).
     ``metrics`` has the time of each phase (plan, stage, write, commit) and the writes in flight.
+    ``staged_bytes`` are the bytes copied into staging buffers (``save_async``; 0 for ``save``).
     """
 
     path: str
@@ -150,15 +151,35 @@ def save(
     group: Any = None,
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
     compression: str | None = None,
-    concurrency: int = _store.DEFAULT_CONCURRENCY,
+    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
 ) -> SaveResult:
     """Save this rank's shards of ``state`` under ``layout``; every rank of the group calls it.
 
-    ``state`` is a nested dict/list of local shards (``torch.Tensor`` or NumPy arrays, whose
-    global shape is recovered from all ranks' local shapes) and JSON values. ``rank_state`` is
-    this rank's own JSON-like state (see ``load_rank_state``). Returns after the checkpoint is
-    committed on every rank. Bad input raises before anything is written. The caller is blocked
-    throughout, so the live tensors are written without a staging copy.
+    ``path`` is where the checkpoint goes: a local directory (or ``file:///dir``),
+    ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``memory://prefix`` (this process's memory),
+    or a TensorStore kvstore spec as a dict (see "Object storage" in the how-to guides).
+    ``state`` is a nested dict/list of local shards (``torch.Tensor``, ``DTensor`` or NumPy
+    arrays; the global shape is recovered from all ranks' local shapes) and JSON values.
+    ``layout`` says how each array is split; ``None`` means a DTensor's own placements, and
+    every other array whole on every rank.
+
+    ``step`` and ``metadata`` (a JSON-serializable dict) are stored with the checkpoint and
+    read back by ``Reader.step`` and ``Reader.metadata``. ``rank_state`` is this rank's own
+    JSON-like state (see ``load_rank_state``). A committed checkpoint at ``path`` raises
+    ``CheckpointExistsError`` unless ``overwrite=True``, which replaces it atomically on a
+    local path; object stores refuse to overwrite (save to a new prefix instead). ``group`` is
+    the ``torch.distributed`` process group whose ranks save together (default: the default
+    group, or a world of one without ``torch.distributed``). ``inner_chunk_bytes`` is the target
+    size in bytes of an inner chunk, the unit a partial read fetches (default 2 MiB);
+    ``compression`` is ``None`` (default), ``"zstd"`` or ``"blosc"``; ``concurrency`` bounds the
+    storage requests in flight (file operations, or S3/GCS requests).
+
+    Returns this rank's ``SaveResult`` (path, bytes and arrays written, seconds, and
+    ``.metrics`` with the time of each phase) after the checkpoint is committed on every rank.
+    Bad input raises before anything is written, on every rank: ``LayoutError`` for a spec that
+    does not fit an array, ``InconsistentShardsError`` when ranks disagree, ``InvalidNameError``
+    for a name that cannot be stored. A failed write raises ``SaveError`` and commits nothing.
+    The caller is blocked throughout, so the live tensors are written without a staging copy.
     """
     options = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=group)
     storage = dict(inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency)
@@ -179,16 +200,19 @@ def save_async(
     host_memory_budget: int | None = None,
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
     compression: str | None = None,
-    concurrency: int = _store.DEFAULT_CONCURRENCY,
+    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
 ) -> SaveFuture:
     """Start saving; return once the state is staged (copied out of the live tensors).
 
-    Writing and the commit run on a background thread; ``fut.result()`` waits for the commit
-    and raises any rank's failure. With ``lazy=True`` the call returns before the copy is done:
-    call ``fut.wait_staged()`` before mutating the state (e.g. before ``optimizer.step()``).
-    Staging buffers are reused from save to save; ``host_memory_budget`` (bytes) caps them, and
-    a larger state is staged in waves as writes free buffers. One save is in flight at a time:
-    this call first waits for the previous one, and raises its failure if nobody has seen it.
+    Takes the arguments of ``save``, and returns a ``SaveFuture``. Writing and the commit run on
+    a background thread; ``fut.result()`` waits for the commit, returns the ``SaveResult`` (its
+    ``.metrics`` has the plan, stage, write and commit phases) and raises any rank's failure.
+    With ``lazy=True`` the call returns before the copy is done: call ``fut.wait_staged()``
+    before mutating the state (e.g. before ``optimizer.step()``). Staging buffers are reused
+    from save to save; ``host_memory_budget`` (bytes, default unlimited) caps them, and a larger
+    state is staged in waves as writes free buffers. One save is in flight at a time: this call
+    first waits for the previous one, and raises its failure (as ``SaveError``) if nobody has
+    seen it. Bad input raises here, before anything is written, as for ``save``.
     """
     options = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=group)
     storage = dict(inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency)

@@ -64,7 +64,7 @@ def load(
     *,
     mesh: Mesh | None = None,
     select: Select = None,
-    concurrency: int = _store.DEFAULT_CONCURRENCY,
+    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
 ) -> Any:
     """Every (selected) array of the checkpoint at ``path`` as a ``jax.Array``, in the saved tree.
 
@@ -113,7 +113,7 @@ def load_array(
     sharding: ShardingLike,
     *,
     mesh: Mesh | None = None,
-    concurrency: int = _store.DEFAULT_CONCURRENCY,
+    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
 ) -> jax.Array:
     """One array of a checkpoint (a path, or a ``layoutckpt.open`` reader) as a ``jax.Array``."""
     _check_mesh(mesh)

@@ -76,3 +76,37 @@ def test_layout_from_file_with_its_own_mesh(tmp_path):
     assert layout.spec_for("a.w") == lc.P("tp")
     assert layout.spec_for("a.b") == lc.P()
     assert lc.Layout.from_file(path, lc.Mesh({"tp": 4})).mesh.size == 4
+
+
+def test_rule_with_an_unknown_key_names_it():
+    doc = {"mesh": {"tp": 2}, "rules": [{"match": "w$", "spec": "P('tp')"}, {"match": ".*", "sepc": "P()"}]}
+    with pytest.raises(lc.LayoutError) as info:
+        lc.Layout.from_toml_dict(doc, source="l.toml")
+    message = str(info.value)
+    for fragment in ("l.toml", "rule #1", "'sepc'", "'match' and 'spec'", "'note'", "did you mean 'spec'"):
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    # The optional note is allowed; a rule without match is refused by name.
+    assert lc.Layout.from_toml_dict({"mesh": {"tp": 1}, "rules": [{"match": ".*", "note": "all"}]})
+    with pytest.raises(lc.LayoutError, match=r"rule #0 lacks 'match'"):
+        lc.Layout.from_toml_dict({"mesh": {"tp": 1}, "rules": [{"spec": "P()"}]})
+
+
+@pytest.mark.parametrize(
+    ("entries", "axis"),
+    [(("tp", "tp"), "tp"), ((("dp", "tp"), "tp"), "tp"), ((("dp", "dp"),), "dp"), ((None, "dp", ("tp", "dp")), "dp")],
+)
+def test_an_axis_named_twice_is_refused_when_the_spec_is_built(entries, axis):
+    # Whatever the mesh: no mesh axis can split two dimensions, or one dimension twice.
+    with pytest.raises(lc.LayoutError, match=rf"uses axis '{axis}' twice"):
+        lc.P(*entries)
+    # A layout file names the rule.
+    spec = repr(entries)[1:-1].rstrip(",")
+    doc = {"mesh": {"dp": 2, "tp": 2}, "rules": [{"match": ".*", "spec": f"P({spec})"}]}
+    with pytest.raises(lc.LayoutError, match=rf"l\.toml: rule #0: .* uses axis '{axis}' twice"):
+        lc.Layout.from_toml_dict(doc, source="l.toml")
+
+
+def test_a_flat_axis_named_twice_is_refused_by_the_layout():
+    flat = lc.Flat([("a", (4,))], ("dp", "dp"))
+    with pytest.raises(lc.LayoutError, match=r"Layout rule 'buf': .* uses axis 'dp' twice"):
+        lc.Layout(lc.Mesh({"dp": 2}), [("buf", flat)])
