@@ -108,6 +108,11 @@ class Fetcher:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether every read finished within ``timeout`` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def join(self) -> None:
         self._thread.join()
         if self._error is not None:

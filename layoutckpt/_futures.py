@@ -107,7 +107,7 @@ class LoadFuture(_Future[T]):
         super().__init__()
         self.metrics: Any = None
         self._finish = finish
-        self._reads = reads  # anything with done(): the reads under way
+        self._reads = reads  # anything with done() and wait(timeout) -> bool: the reads under way
         self._lock = threading.Lock()
 
     def done(self) -> bool:
@@ -118,9 +118,13 @@ class LoadFuture(_Future[T]):
         """Wait for the reads, build the loaded state and return it (what ``load`` returns).
 
         Raises the load's failure (e.g. ``IntegrityError`` for a damaged chunk), again on every
-        call. Once it has returned, ``metrics`` holds this rank's phases. ``timeout`` is
-        accepted but not enforced: the call waits for every read.
+        call. Once it has returned, ``metrics`` holds this rank's phases. With ``timeout``
+        (seconds), ``TimeoutError`` if the reads are not all done by then; the load goes on, and
+        a later call may still return it.
         """
+        reads = self._reads
+        if timeout is not None and reads is not None and not reads.wait(timeout):
+            raise TimeoutError(f"the load's reads were not done within {timeout} s; they go on")
         with self._lock:
             if not self._future.done():
                 try:

@@ -44,7 +44,9 @@ DEFAULT_INNER_CHUNK_BYTES = 2 << 20
 class SaveResult:
     """What this rank did: the committed path, bytes and arrays it wrote, and the time it took.
 
-    ``seconds`` runs from the call to the commit; ``blocked_seconds`` is how long the call held
+    ``arrays_written`` counts the boxes this rank wrote (a box is one shard of an array, or one
+    row block of a flat buffer's parameter), so an array split into several boxes counts once
+    per box; ``metrics.arrays`` counts distinct arrays. ``seconds`` runs from the call to the commit; ``blocked_seconds`` is how long the call held
     the caller (for ``save_async``, checks, planning and staging; for ``save``, all of it).
     ``metrics`` has the time of each phase (plan, stage, write, commit) and the writes in flight.
     ``staged_bytes`` are the bytes copied into staging buffers (``save_async``; 0 for ``save``).

@@ -91,3 +91,22 @@ def test_metrics_per_rank(ranks, tmp_path):
     assert [(r, w) for r, w, _, _ in got] == [(0, 2), (1, 2)]
     assert sum(b for _, _, b, _ in got) == 64 * 4 + 4 * 8  # the replicated array is written once
     assert [lb for *_, lb in got] == [32 * 4 + 32, 32 * 4 + 32]  # each rank reads its half and the replica
+
+
+def test_load_future_result_honours_timeout(tmp_path, monkeypatch):
+    lc.save(tmp_path / "ck", _state())
+    gate = __import__("threading").Event()
+    settle = _fetch.Fetcher._settle
+
+    def slow_settle(self, *args):
+        gate.wait()  # the reads cannot finish until the test lets them
+        return settle(self, *args)
+
+    monkeypatch.setattr(_fetch.Fetcher, "_settle", slow_settle)
+    fut = lc.load_async(tmp_path / "ck")
+    with pytest.raises(TimeoutError, match=r"not done within 0\.2 s"):
+        fut.result(timeout=0.2)
+    assert not fut.done()
+    gate.set()
+    out = fut.result(timeout=30)
+    assert torch.equal(out["small"], torch.ones(7)) and fut.done()
