@@ -57,6 +57,7 @@ def test_load_metrics_count_what_was_read(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(_fetch, "PIECE_BYTES", MB)
     monkeypatch.setattr(_fetch, "BUDGET_BYTES", 2 * MB)
     caplog.set_level(logging.INFO, logger="layoutckpt")
+    caplog.clear()  # the save's record, where the logger already was at INFO
     fut = lc.load_async(tmp_path / "ck")
     assert fut.metrics is None  # known once the load is done
     out = fut.result()
