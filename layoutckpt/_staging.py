@@ -123,6 +123,7 @@ class Staged:
     def __init__(self, source: Any) -> None:
         self.source = source
         self.data: np.ndarray | None = None
+        self._dst: Any = None  # the staged tensor, until the writer asks for its NumPy view
         self._buffer: torch.Tensor | None = None
         self._pool: HostBuffers | None = None
         self._event: Any = None
@@ -154,7 +155,7 @@ class Staged:
             return src.numel() * src.element_size()
         return np.asarray(src).nbytes if src is not None else 0
 
-    def _take(self, budget: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _take(self, pools: _Pools) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Take a buffer; a (destination, source) pair for torch sources, whose copy the caller
         batches. NumPy sources and empty arrays are done here."""
         src = self.source
@@ -163,16 +164,16 @@ class Staged:
             if src.numel() == 0:
                 self.data = to_numpy(torch.empty(src.shape, dtype=src.dtype))
                 return None
-            self._pool = pool(pinned=src.device.type == "cuda", budget=budget)
+            self._pool = pools.get(src.device.type == "cuda")
             self._buffer = self._pool.acquire(src.numel() * src.element_size())
-            dst = self._buffer.view(src.dtype).view(src.shape)
-            self.data = to_numpy(dst)
-            return dst, src
+            # The NumPy view is made by the writer (``wait``), off the caller's blocked time.
+            self._dst = self._buffer.view(src.dtype).view(src.shape)
+            return self._dst, src
         src = np.asarray(src)
         if src.nbytes == 0:
             self.data = np.empty(src.shape, src.dtype)
             return None
-        self._pool = pool(pinned=False, budget=budget)
+        self._pool = pools.get(False)
         self._buffer = self._pool.acquire(src.nbytes)
         raw = self._buffer if isinstance(self._buffer, np.ndarray) else self._buffer.numpy()
         dst = raw.view(src.dtype).reshape(src.shape)
@@ -202,6 +203,8 @@ class Staged:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+        if self.data is None and self._dst is not None:
+            self.data, self._dst = to_numpy(self._dst), None
         assert self.data is not None
         return self.data
 
@@ -209,7 +212,7 @@ class Staged:
         """Give the buffer back for reuse; safe to call twice, from any thread."""
         with self._release_lock:
             buf, self._buffer = self._buffer, None
-            self.data = None
+            self.data = self._dst = None
         if buf is not None and self._pool is not None:
             self._pool.release(buf)
 
@@ -253,9 +256,24 @@ def stage_all(items: list[Staged], budget: int | None, stream: Any) -> None:
         raise
 
 
+class _Pools:
+    """The staging pools of one batch, looked up (and their budget set) once, not per item."""
+
+    def __init__(self, budget: int | None) -> None:
+        self._budget = budget
+        self._pools: dict[bool, HostBuffers] = {}
+
+    def get(self, pinned: bool) -> HostBuffers:
+        found = self._pools.get(pinned)
+        if found is None:
+            found = self._pools[pinned] = pool(pinned=pinned, budget=self._budget)
+        return found
+
+
 def _copy_batch(items: list[Staged], budget: int | None, stream: Any) -> None:
     todo = [s for s in items if not s._ready.is_set()]  # the writer may have given up on some
-    pairs = [p for p in (s._take(budget) for s in todo) if p is not None]
+    pools = _Pools(budget)
+    pairs = [p for p in (s._take(pools) for s in todo) if p is not None]
     event = None
     host = [p for p in pairs if p[1].device.type == "cpu"]
     device = [p for p in pairs if p[1].device.type != "cpu"]

@@ -7,6 +7,7 @@ stored as JSON, so rebuilding it never runs code.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -36,6 +37,7 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
+@functools.lru_cache(maxsize=65536)  # the same names, save after save
 def name_to_path(name: str) -> str:
     """``model.layers.0.weight`` -> ``model/layers/0/weight``, refusing names that are unsafe."""
     parts = name.split(".")
