@@ -6,6 +6,7 @@ metadata alone and fetches only the inner chunks the requested slice overlaps.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -14,7 +15,7 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from . import _rankstate, _store
+from . import _fetch, _rankstate, _store
 from ._dtypes import numpy_dtype
 from ._format import ArrayMeta, CheckpointMeta
 from ._location import locate
@@ -169,7 +170,41 @@ class Reader:
         """
         if name in self._values:
             return decode_value(self._values[name])
-        return _store.read_result(self.read_async(name, index), name, self.path)
+        store = self.tensorstore(name)
+        box = _box_of(store, index)
+        meta = self._array(self.aliases.get(name, name))
+        dtype = numpy_dtype(meta.dtype)
+        nbytes = dtype.itemsize * math.prod(b - a for a, b in box) if box is not None else 0
+        if nbytes < PIECEWISE_BYTES:
+            return _store.read_result(self.read_async(name, index), name, self.path)
+        # A large box goes in row pieces on the inner chunk grid, all in flight at once: on a
+        # cold disk, 8 concurrent piece reads of a 65 MB tensor took 0.07-0.12 s where one
+        # whole read took 0.11-0.17 s (a raw read of its file: 0.07 s). No chunk is read twice.
+        rows = meta.inner_chunk_shape[0] if meta.inner_chunk_shape else 1
+        piece = min(_fetch.PIECE_BYTES, max(PIECEWISE_BYTES // 2, nbytes // 8))
+        request = _fetch.Request(name, store, box, dtype, rows, name)
+        fetcher = _fetch.Fetcher([request], lambda f, n: _store.read_result(f, n, self.path), piece_bytes=piece)
+        fetcher.join()
+        return fetcher.result(name)
+
+
+# Reads of at least this many bytes go in concurrent pieces (``Reader.read``).
+PIECEWISE_BYTES = 8 << 20
+
+
+def _box_of(store: ts.TensorStore, index: Any) -> tuple[tuple[int, int], ...] | None:
+    """The box that ``store[index]`` reads when the index is plain slices (unit steps, every
+    dimension kept); ``None`` for any other index, which then goes to TensorStore as it is."""
+    if index is None:
+        view = store
+    else:
+        terms = index if isinstance(index, tuple) else (index,)
+        if not all(isinstance(t, slice) and t.step in (None, 1) for t in terms) or len(terms) > store.rank:
+            return None
+        view = store[index]
+    if view.rank != store.rank:
+        return None
+    return tuple(zip(view.domain.inclusive_min, view.domain.exclusive_max))
 
 
 def open(path: str | os.PathLike[str], *, concurrency: int = 32) -> Reader:  # noqa: A001 - the verb of the API

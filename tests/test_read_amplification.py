@@ -121,6 +121,46 @@ def middle_chunks(info: lc.ArrayInfo) -> tuple[tuple[int, int], ...]:
 
 
 @pytest.mark.parametrize(
+    "index",
+    [None, np.s_[100:2900, 64:2000], np.s_[:, :1024]],
+    ids=["whole", "box", "columns"],
+)
+def test_large_reads_go_in_pieces_with_the_same_bytes(tmp_path, index, monkeypatch):
+    """A read of 8 MiB or more is cut into concurrent row pieces on the chunk grid: the same
+    array, and no chunk fetched twice (a piece may read its shard's small index again)."""
+    from layoutckpt import _fetch, _reader
+
+    piece_reads = []
+    settle = _fetch.Fetcher._settle
+    monkeypatch.setattr(
+        _fetch.Fetcher, "_settle", lambda self, r, piece, *a: piece_reads.append(piece) or settle(self, r, piece, *a)
+    )
+
+    path = str(tmp_path / "ck")
+    full = full_array((3072, 2048))  # 24 MiB, one shard
+    lc.save(path, {"w": full}, lc.Layout.replicated())
+    rd = lc.open(path)
+    info = rd.info("w")
+    view = full.numpy() if index is None else full.numpy()[index]
+    assert view.nbytes >= _reader.PIECEWISE_BYTES
+
+    before = bytes_read()
+    got = rd.read("w", index)
+    fetched = bytes_read() - before
+
+    assert got.tobytes() == view.tobytes() and got.shape == view.shape
+    assert len(piece_reads) >= 2  # really in pieces
+    box = (
+        tuple((0, n) for n in info.shape)
+        if index is None
+        else tuple((sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(index, info.shape))
+    )
+    index_bytes = INDEX_ENTRY * math.prod(s // c for s, c in zip(info.shard_shape, info.inner_chunk_shape)) + CRC
+    pieces = -(-view.nbytes // (_reader.PIECEWISE_BYTES // 2))
+    assert view.nbytes <= fetched <= chunk_accounting(info, box) + pieces * index_bytes
+
+
+@pytest.mark.parametrize(
     ("shape", "inner"),
     [((512, 256), 8192), ((256, 1024), 1024), ((16, 64, 64), 4096), ((4096,), 512)],
 )
