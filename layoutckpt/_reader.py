@@ -6,6 +6,7 @@ metadata alone and fetches only the inner chunks the requested slice overlaps.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from . import _fetch, _rankstate, _store
+from . import _rankstate, _store
 from ._dtypes import numpy_dtype
 from ._format import ArrayMeta, CheckpointMeta
 from ._location import locate
@@ -177,19 +178,28 @@ class Reader:
         nbytes = dtype.itemsize * math.prod(b - a for a, b in box) if box is not None else 0
         if nbytes < PIECEWISE_BYTES:
             return _store.read_result(self.read_async(name, index), name, self.path)
-        # A large box goes in row pieces on the inner chunk grid, all in flight at once: on a
-        # cold disk, 8 concurrent piece reads of a 65 MB tensor took 0.07-0.12 s where one
-        # whole read took 0.11-0.17 s (a raw read of its file: 0.07 s). No chunk is read twice.
+        # A large box goes in row pieces on the inner chunk grid, all in flight at once, each
+        # copied by TensorStore straight into the result: on a cold disk a 65 MB tensor took
+        # 0.06-0.13 s where one whole read took 0.11-0.17 s (a raw read of its file: 0.06 s),
+        # and warm 0.03-0.045 s against 0.065-0.075 s. No chunk is read twice.
+        out = np.empty(tuple(b - a for a, b in box), dtype=dtype)
+        target = ts.array(out, copy=False, write=True)
         rows = meta.inner_chunk_shape[0] if meta.inner_chunk_shape else 1
-        piece = min(_fetch.PIECE_BYTES, max(PIECEWISE_BYTES // 2, nbytes // 8))
-        request = _fetch.Request(name, store, box, dtype, rows, name)
-        fetcher = _fetch.Fetcher([request], lambda f, n: _store.read_result(f, n, self.path), piece_bytes=piece)
-        fetcher.join()
-        return fetcher.result(name)
+        (start, stop), rest = box[0], box[1:]
+        step = max(rows, -(-(stop - start) // PIECES) // rows * rows)
+        cuts = [start, *range(-(-start // rows) * rows + step, stop, step), stop]
+        copies = [
+            target[a - start : b - start].write(store[(slice(a, b), *(slice(lo, hi) for lo, hi in rest))])
+            for a, b in itertools.pairwise(cuts)
+        ]
+        for c in copies:
+            _store.read_result(c, name, self.path)
+        return out
 
 
-# Reads of at least this many bytes go in concurrent pieces (``Reader.read``).
+# Reads of at least this many bytes go in about PIECES concurrent pieces (``Reader.read``).
 PIECEWISE_BYTES = 8 << 20
+PIECES = 8
 
 
 def _box_of(store: ts.TensorStore, index: Any) -> tuple[tuple[int, int], ...] | None:
