@@ -118,14 +118,10 @@ def read_pieces(a: ArrayMeta, box: Box, piece_bytes: int = _fetch.PIECE_BYTES) -
     return _fetch._pieces(request, piece_bytes)
 
 
+# Cached: the replicas of a piece read the same boxes, so a plan for many ranks repeats them.
+@functools.lru_cache(maxsize=4096)
 def box_read(name: str, a: ArrayMeta, box: Box) -> BoxRead:
     """What reading ``box`` of array ``a`` (stored as ``name``) fetches."""
-    return _box_read(name, a, box)
-
-
-@functools.lru_cache(maxsize=4096)
-def _box_read(name: str, a: ArrayMeta, box: Box) -> BoxRead:
-    # Cached: the replicas of a piece read the same boxes, so a plan for many ranks repeats them.
     itemsize = numpy_dtype(a.dtype).itemsize
     per_shard = math.prod(s // c for s, c in zip(a.shard_shape, a.inner_chunk_shape))
     # The inner grid starts at every shard's corner and the inner chunk divides the shard, so
