@@ -25,7 +25,7 @@ import attrs
 
 from . import _readplan, _store
 from ._errors import FormatError, IntegrityError
-from ._plan import Box, box_shape
+from ._plan import Box, box_shape, chunks_touched
 from ._reader import Reader
 from ._shardfile import chunk_key, grid_cells
 
@@ -83,11 +83,6 @@ class Verification:
 def cell_box(shape: tuple[int, ...], shard: tuple[int, ...], cell: tuple[int, ...]) -> Box:
     """The elements of the array that shard ``cell`` holds."""
     return tuple((i * s, min((i + 1) * s, n)) for n, s, i in zip(shape, shard, cell))
-
-
-def inner_count(box: Box, inner: tuple[int, ...]) -> int:
-    """Inner chunks of a shard that hold elements of the array (the others are never stored)."""
-    return math.prod(-(-(b - a) // c) for (a, b), c in zip(box, inner))
 
 
 def stored_shards(rd: Reader, name: str, v: Verification) -> set[str]:
@@ -163,7 +158,7 @@ def verify(rd: Reader, *, progress: Callable[[int, int], None] | None = None) ->
             if chunk_key(cell) in keys:
                 box = cell_box(a.shape, a.shard_shape, cell)
                 v.shards += 1
-                v.chunks += inner_count(box, a.inner_chunk_shape)
+                v.chunks += chunks_touched(box, a.inner_chunk_shape)  # chunks past the edge are never stored
                 total += itemsize * math.prod(box_shape(box))
 
     damaged: set[tuple[str, str]] = set()
