@@ -318,17 +318,14 @@ def _remove_leftovers(root: Path) -> None:
     An ``.old-`` folder is a committed checkpoint set aside by an overwrite; if the crash came
     before its replacement was renamed into place, it is put back instead of deleted.
     """
-    for e in list(os.scandir(root)):
-        m = _LEFTOVER.match(e.name)
-        if m:
-            final = root / m.group("name")
-            if m.group("kind") == "old" and not final.exists() and _store.is_committed(e.path):
-                os.rename(e.path, final)
-                _store.fsync_dir(root)
-            else:
-                _store.remove_tree(Path(e.path))
-        elif _STEP.match(e.name) and e.is_dir() and not _store.is_committed(e.path):
-            _store.remove_tree(Path(e.path))
+    for name, action in leftovers(root):
+        if action == "restore":
+            m = _LEFTOVER.match(name)
+            assert m is not None
+            os.rename(root / name, root / m.group("name"))
+            _store.fsync_dir(root)
+        else:
+            _store.remove_tree(root / name)
 
 
 def _retire(root: Location, step: int) -> None:
