@@ -342,6 +342,17 @@ def writes_of(arrays: Sequence[ArraySpec], mesh: Mesh, rank: int) -> list[tuple[
     return out
 
 
+def shard_cell(box: Box, shape: Sequence[int], shard_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The shard grid cell ``box`` covers exactly (clipped at the array's edge), or None where
+    the box is part of a shard, spans several or is empty."""
+    cell = []
+    for (a, b), n, s in zip(box, shape, shard_shape):
+        if a >= b or a % s or b != min(a + s, n):
+            return None
+        cell.append(a // s)
+    return tuple(cell)
+
+
 def chunks_touched(box: Box, chunk: Sequence[int]) -> int:
     """How many chunks of a regular grid of ``chunk`` the box overlaps."""
     count = 1

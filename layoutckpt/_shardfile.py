@@ -1,15 +1,23 @@
 """Write one shard file (``docs/format.md`` section 5.4) as a stream, one inner chunk at a time.
 
-A save hands TensorStore whole boxes that are already in memory. A writer that reads its source
-piece by piece (``import_safetensors``) cannot: TensorStore stores a shard as one value, so every
-partial write re-reads and rewrites the whole shard (measured: a 200 MB shard written in 25 MB
-blocks took 3.5x as long and peaked at 280 MB). Here each inner chunk is read, encoded, appended
-and dropped, and the index follows, so memory stays at one inner chunk whatever the shard size.
+Two writers use it, on local file systems:
+
+- ``save``: TensorStore would copy each inner chunk into a fresh buffer, assemble the shard in
+  memory and write it through a lock file and a rename. Here a chunk that is contiguous in the
+  source goes from the tensor's own memory to the file (one ``writev`` with its checksum), and
+  the others are gathered into one reused buffer: half the CPU time of the TensorStore path.
+- ``import_safetensors``, which reads its source piece by piece: TensorStore stores a shard as
+  one value, so every partial write re-reads and rewrites the whole shard (measured: a 200 MB
+  shard written in 25 MB blocks took 3.5x as long and peaked at 280 MB).
+
+Either way each inner chunk is read, encoded, appended and dropped, and the index follows, so
+memory stays at one inner chunk whatever the shard size.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -65,36 +73,62 @@ def write_shard(
     dtype: np.dtype,
     read: Callable[[Box], np.ndarray],
     compression: str | None = None,
+    *,
+    start_writeback: bool = False,
 ) -> int:
     """Write the shard whose inner chunks cover ``boxes`` (from ``inner_boxes``) to ``file``;
     ``read(box)`` gives the elements of a box. Returns the bytes written.
 
     A chunk that reaches past the array's edge is stored whole, padded with the fill value
     (zero bits, ``False`` for bool); chunks wholly outside the array are absent from the index.
+    With ``start_writeback`` the kernel is asked to start writing the file to storage as soon
+    as it is closed (``_store.start_writeback``).
     """
     compress = _compressor(compression, dtype.itemsize)
     inner = tuple(inner_shape)
     index = np.full((len(boxes), 2), _ABSENT, dtype="<u8")
+    scratch: np.ndarray | None = None  # one gather buffer per shard, not one per chunk
     offset = 0
     file.parent.mkdir(parents=True, exist_ok=True)
-    with open(file, "wb") as f:
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
         for i, box in enumerate(boxes):
             if box is None:
                 continue
             data = read(box)
-            if data.shape == inner:
-                chunk = data
+            if data.shape == inner and data.flags.c_contiguous:
+                chunk = data  # written from the source's own memory
             else:
-                chunk = np.zeros(inner, dtype)
-                chunk[tuple(slice(0, n) for n in data.shape)] = data
-            raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+                if scratch is None:
+                    scratch = np.empty(inner, dtype)
+                if data.shape != inner:
+                    scratch.fill(0)
+                scratch[tuple(slice(0, n) for n in data.shape)] = data
+                chunk = scratch
+            raw = chunk.reshape(-1).view(np.uint8)
             encoded = raw if compress is None else compress(raw)
-            f.write(encoded)
-            f.write(crc32c.crc32c(encoded).to_bytes(4, "little"))
+            _write_all(fd, [encoded, crc32c.crc32c(encoded).to_bytes(4, "little")])
             nbytes = len(encoded) + 4
             index[i] = (offset, nbytes)
             offset += nbytes
         table = index.tobytes()
-        f.write(table)
-        f.write(crc32c.crc32c(table).to_bytes(4, "little"))
+        _write_all(fd, [table, crc32c.crc32c(table).to_bytes(4, "little")])
+        if start_writeback:
+            from ._store import start_writeback as kick
+
+            kick(fd)
+    finally:
+        os.close(fd)
     return offset + len(table) + 4
+
+
+def _write_all(fd: int, parts: list[bytes | memoryview | np.ndarray]) -> None:
+    """``writev`` until every byte of ``parts`` is written (a regular file may take fewer)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        done = os.writev(fd, views)
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]

@@ -144,6 +144,36 @@ def _libc_syncfs() -> Any:
 _SYNCFS = _libc_syncfs() if sys.platform.startswith("linux") else None
 
 
+def _libc_sync_file_range() -> Any:
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the open file's dirty pages to storage now, without
+    waiting for them (Linux ``sync_file_range``; elsewhere nothing).
+
+    Linux keeps written pages in memory until a tenth of it is dirty, so a save that syncs only
+    at the end leaves the disk idle while it encodes, then waits for all of it. Started file by
+    file, the disk works while the next shards are encoded, and the final sync has little left.
+    This makes nothing durable: ``fsync_tree`` still does that before the commit.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
 def fsync_tree(root: Path) -> None:
     """Make every file and directory this process wrote under ``root`` durable, in one call.
 

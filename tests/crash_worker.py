@@ -21,8 +21,10 @@ phase           rank 0                                    any other rank
 ==============  ========================================  =========================================
 stage           2nd staging buffer taken                  same
                 (``HostBuffers.acquire``)
-write           after its 2nd TensorStore write landed    same
-                (``_store.open_array`` proxied)
+write           after its 2nd shard write landed          same
+                (``_shardfile.write_shard`` proxied for
+                local files, ``_store.open_array`` for
+                TensorStore)
 before-marker   about to write the marker                 entering ``_commit``: its writes are done
                 (``_store.write_file`` of the tmp dir's   and durable, but it has not agreed
                 root ``zarr.json``; the ranks agreed)
@@ -49,6 +51,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -235,7 +238,7 @@ class _CommitComm:
 
 def install_hooks(rank: int, kill_at: str | None, kill_rank: int) -> None:
     """Trace every phase on this rank; in the ``kill_rank`` process, also die at ``kill_at``."""
-    from layoutckpt import _manager, _save, _staging, _store
+    from layoutckpt import _manager, _save, _shardfile, _staging, _store
 
     kill = kill_at if rank == kill_rank else None
 
@@ -268,6 +271,19 @@ def install_hooks(rank: int, kill_at: str | None, kill_rank: int) -> None:
         return _KillingOpen(fut, writes) if kill == "write" else fut
 
     _store.open_array = killing_open
+
+    write_shard = _shardfile.write_shard
+    lock = threading.Lock()
+
+    def killing_write_shard(*args: Any, **kwargs: Any) -> Any:
+        out = write_shard(*args, **kwargs)  # this shard file is whole in the tmp dir
+        with lock:
+            writes["writes"] += 1
+            if kill == "write" and writes["writes"] >= writes["n"]:
+                die()
+        return out
+
+    _shardfile.write_shard = killing_write_shard
 
     commit = _save._commit
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt import _save, _staging, _store
+from layoutckpt import _save, _shardfile, _staging, _store
 
 from .oracle import local_shard
 
@@ -344,6 +344,16 @@ def _disk_on_fire(*args, **kwargs):
     raise OSError("disk on fire")
 
 
+# Both ways a shard reaches storage: shard files written by layoutckpt (local file systems) and
+# TensorStore (everything else).
+_WRITERS = ((_store, "open_array", _store.open_array), (_shardfile, "write_shard", _shardfile.write_shard))
+
+
+def _set_disk_on_fire(on: bool) -> None:
+    for module, name, real in _WRITERS:
+        setattr(module, name, _disk_on_fire if on else real)
+
+
 def _forget_staging_pools():
     """Start this rank's later saves from fresh staging pools. A failed save can leave buffers
     counted as in use (see ``test_a_failed_save_gives_its_staging_buffers_back``), and these
@@ -352,9 +362,8 @@ def _forget_staging_pools():
 
 
 def _fail_on_rank_1(rank, group, path):
-    real_open = _store.open_array
     if rank == 1:
-        _store.open_array = _disk_on_fire
+        _set_disk_on_fire(True)
     try:
         fut = lc.save_async(path, local_state(rank), LAYOUT, group=group)
         with pytest.raises(lc.SaveError) as info:
@@ -363,7 +372,7 @@ def _fail_on_rank_1(rank, group, path):
         assert fut.exception() is info.value
         return type(info.value).__name__, str(info.value)
     finally:
-        _store.open_array = real_open
+        _set_disk_on_fire(False)
         _forget_staging_pools()
 
 
@@ -384,16 +393,15 @@ def test_failure_on_one_rank_fails_every_rank_and_leaves_nothing(ranks, tmp_path
 
 
 def _failure_nobody_looks_at(rank, group, root):
-    real_open = _store.open_array
     if rank == 1:
-        _store.open_array = _disk_on_fire
+        _set_disk_on_fire(True)
     try:
         fut = lc.save_async(os.path.join(root, "bad"), local_state(rank), LAYOUT, group=group)
         finished = threading.Event()
         fut.add_done_callback(lambda f: finished.set())
         assert finished.wait(60)  # done() and callbacks do not count as looking at the failure
     finally:
-        _store.open_array = real_open
+        _set_disk_on_fire(False)
     try:
         try:
             lc.save_async(os.path.join(root, "next"), local_state(rank), LAYOUT, group=group)
@@ -424,16 +432,15 @@ def test_an_unobserved_failure_is_raised_by_the_next_save(ranks, tmp_path):
 
 def _staging_buffers_in_use_after_failure(rank, group, path):
     _forget_staging_pools()
-    real_open = _store.open_array
     if rank == 1:
-        _store.open_array = _disk_on_fire
+        _set_disk_on_fire(True)
     try:
         fut = lc.save_async(path, local_state(rank), LAYOUT, group=group)
         with pytest.raises(lc.SaveError):
             fut.result()
         return _staging.pool(pinned=False, budget=None)._used_bytes
     finally:
-        _store.open_array = real_open
+        _set_disk_on_fire(False)
         _forget_staging_pools()
 
 
