@@ -7,6 +7,7 @@ without copying -> rebuild the tree.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -24,7 +25,7 @@ from ._flat import Flat
 from ._format import ArrayMeta
 from ._futures import LoadFuture
 from ._layout import Layout
-from ._location import locate
+from ._location import LocalDir, locate
 from ._metrics import LOAD_PHASES, Metrics, Phases, report
 from ._spec import P, check_spec
 from ._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
@@ -181,16 +182,25 @@ def load_async(
 
     ctx = _store.context(concurrency)
     complete = meta.all_chunks_stored
+    where = root.url
     boxes = list(targets.values()) + [key for _, _, parts in flats.values() for key, *_ in parts]
-    opened = {s: _store.open_array(ctx, root, meta.arrays[s], all_chunks_stored=complete) for s, _ in boxes}
+    # A local checkpoint's shard files are read by _shardfile, other stores by TensorStore.
+    local = root.root if isinstance(root, LocalDir) else None
+    opened = {}
+    if local is None:
+        opened = {s: _store.open_array(ctx, root, meta.arrays[s], all_chunks_stored=complete) for s, _ in boxes}
     requests = []
     for key in dict.fromkeys(boxes):
         stored, box = key
         a = meta.arrays[stored]
         if _plan.box_size(box) > 0:
             rows = a.inner_chunk_shape[0] if a.inner_chunk_shape else 1
-            requests.append(_fetch.Request(key, opened[stored].result(), box, numpy_dtype(a.dtype), rows, stored))
-    where = root.url
+            dtype = numpy_dtype(a.dtype)
+            if local is not None:
+                read = functools.partial(_store.read_box, local, a, stored, where, complete)
+                requests.append(_fetch.Request(key, None, box, dtype, rows, stored, read))
+            else:
+                requests.append(_fetch.Request(key, opened[stored].result(), box, dtype, rows, stored))
     fetcher = _fetch.Fetcher(requests, lambda future, name: _store.read_result(future, name, where))
     phases.since("plan", t0)
     reads = {r.key for r in requests}

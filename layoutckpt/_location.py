@@ -1,7 +1,9 @@
 """Where a checkpoint lives: a local directory, or a key prefix of an object store.
 
-Arrays always go through TensorStore; a location only says which key-value store (``file``,
-``s3``, ``gcs``, ``memory``) holds them, and owns the few small documents and the commit.
+Arrays go through TensorStore (except whole shards a save writes to a local directory, which
+``_shardfile`` writes, byte for byte as TensorStore would); a location only says which key-value
+store (``file``, ``s3``, ``gcs``, ``memory``) holds them, and owns the few small documents and the
+commit.
 
 The commit differs because the stores differ. A local save writes a hidden sibling directory
 and renames it into place: the rename is atomic, so ``overwrite=True`` is crash-safe too. Object

@@ -585,7 +585,7 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     direct = []
     written = 0
     local = job.tmp if isinstance(job.tmp, LocalDir) else None
-    threads = ThreadPoolExecutor(_WRITER_THREADS, thread_name_prefix="layoutckpt-write") if local else None
+    threads = ThreadPoolExecutor(_shardfile.THREADS, thread_name_prefix="layoutckpt-write") if local else None
     try:
         ctx = _store.context(job.concurrency)
         opened: dict[str, Any] = {}
@@ -632,11 +632,6 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
         for item in items:
             item.release()
     return written
-
-
-# Threads writing shard files: they spend their time in copies, checksums and write calls,
-# all outside the GIL, so about one per core; more only contend for the same cores.
-_WRITER_THREADS = max(2, min(4, os.cpu_count() or 1))
 
 
 def _write_shard_file(job: _Job, root: LocalDir, meta: ArrayMeta, cell: tuple[int, ...], item: Staged) -> int:

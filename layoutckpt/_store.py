@@ -1,9 +1,10 @@
 """Storage: TensorStore specs and contexts, and the local file operations of the commit.
 
 Array data goes through TensorStore (many reads and writes in flight, byte-range reads of inner
-chunks), on whichever key-value store the checkpoint's location names (``_location``). On a
-local file system the small JSON documents and the commit rename are plain file operations
-with fsyncs, so a crash leaves either the old checkpoint or the new one, never a mix.
+chunks), on whichever key-value store the checkpoint's location names (``_location``); a save's
+whole shards on a local file system are the exception (``_shardfile``). On a local file system
+the small JSON documents and the commit rename are plain file operations with fsyncs, so a crash
+leaves either the old checkpoint or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -88,16 +89,32 @@ def read_result(future: Any, name: str, where: str) -> Any:
         return future.result()
     except ValueError as err:
         text = str(err)
-        if text.startswith("DATA_LOSS"):
-            problem = "its stored bytes fail their integrity check (crc32c or shard index)"
-        elif text.startswith("NOT_FOUND"):
-            problem = "a chunk it was saved with is missing from storage"
-        else:
+        if not text.startswith(("DATA_LOSS", "NOT_FOUND")):
             raise
-        raise IntegrityError(
-            f"array {name!r} of checkpoint {where!r} is damaged: {problem} ({text}); the other "
-            "arrays are unaffected; restore this one from another checkpoint or replica"
-        ) from None
+        raise damaged(name, where, missing=text.startswith("NOT_FOUND"), detail=text) from None
+
+
+def read_box(root: Path, meta: ArrayMeta, name: str, where: str, all_chunks_stored: bool, box: Any, out: Any) -> int:
+    """``_shardfile.read_box`` of a local checkpoint, its damage reported as ``IntegrityError``."""
+    from ._shardfile import Damaged
+    from ._shardfile import read_box as read
+
+    try:
+        return read(root, meta, box, out, all_chunks_stored=all_chunks_stored)
+    except Damaged as err:
+        raise damaged(name, where, missing=err.missing, detail=str(err)) from None
+
+
+def damaged(name: str, where: str, *, missing: bool, detail: str) -> IntegrityError:
+    problem = (
+        "a chunk it was saved with is missing from storage"
+        if missing
+        else "its stored bytes fail their integrity check (crc32c or shard index)"
+    )
+    return IntegrityError(
+        f"array {name!r} of checkpoint {where!r} is damaged: {problem} ({detail}); the other "
+        "arrays are unaffected; restore this one from another checkpoint or replica"
+    )
 
 
 def read_meta(path: str | os.PathLike[str] | Location) -> CheckpointMeta:

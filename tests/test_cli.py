@@ -20,7 +20,6 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-import tensorstore as ts
 import torch
 from safetensors.numpy import save_file
 from safetensors.torch import load_file
@@ -28,10 +27,11 @@ from safetensors.torch import load_file
 import layoutckpt as lc
 from layoutckpt import _cli, _readplan
 
+from .counters import bytes_read
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 GOLDEN = REPO / "tests" / "golden" / "v1" / "basic"
-COUNTER = "/tensorstore/kvstore/file/bytes_read"
 
 # The sharded checkpoint: saved as tp=4 would save it (import_safetensors chunks by a layout
 # from one process), in inner chunks of at most 4 KiB.
@@ -55,13 +55,6 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = _cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def bytes_read() -> int:
-    for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/"):
-        if metric["name"] == COUNTER:
-            return int(sum(v.get("value", 0) for v in metric["values"]))
-    return 0
 
 
 def sharded_arrays() -> dict[str, np.ndarray]:

@@ -31,13 +31,14 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as JP
 
 import layoutckpt as lc
 import layoutckpt.jax as lcj
 from layoutckpt import _fetch
+
+from .counters import bytes_read
 
 DEVICES = 8
 try:
@@ -122,14 +123,6 @@ def line(cpus) -> Mesh:
 
 
 # ----------------------------------------------------------------------------- the tests' own accounts
-
-
-def bytes_read() -> int:
-    """This process's running total of bytes TensorStore read from local files."""
-    for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/"):
-        if metric["name"] == "/tensorstore/kvstore/file/bytes_read":
-            return int(sum(v.get("value", 0) for v in metric["values"]))
-    return 0
 
 
 def bits(a: np.ndarray) -> np.ndarray:

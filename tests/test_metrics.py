@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt import _fetch
+from layoutckpt import _fetch, _shardfile
 
 MB = 1 << 20
 
@@ -52,13 +52,15 @@ def test_async_save_metrics_count_the_copy(tmp_path):
 
 def test_load_metrics_count_what_was_read(tmp_path, caplog, monkeypatch):
     state = _state()
-    lc.save(tmp_path / "ck", state)
+    # An object store (memory:// stands for one): reads go through TensorStore, in pieces.
+    path = "memory://test-metrics/ck"
+    lc.save(path, state)
     # Small pieces: the 5 MiB array becomes several reads, at most 2 MiB in flight.
     monkeypatch.setattr(_fetch, "PIECE_BYTES", MB)
     monkeypatch.setattr(_fetch, "BUDGET_BYTES", 2 * MB)
     caplog.set_level(logging.INFO, logger="layoutckpt")
     caplog.clear()  # the save's record, where the logger already was at INFO
-    fut = lc.load_async(tmp_path / "ck")
+    fut = lc.load_async(path)
     assert fut.metrics is None  # known once the load is done
     out = fut.result()
     assert torch.equal(out["big"], state["big"])
@@ -71,9 +73,17 @@ def test_load_metrics_count_what_was_read(tmp_path, caplog, monkeypatch):
     assert [r.layoutckpt for r in caplog.records if r.name == "layoutckpt"] == [m.to_dict()]
 
     # A partial load reads only what it selects.
-    fut = lc.load_async(tmp_path / "ck", select=["small"])
+    fut = lc.load_async(path, select=["small"])
     fut.result()
     assert fut.metrics.bytes == state["small"].nbytes and fut.metrics.requests == 1
+
+    # A local directory: shard files are read in place, one request per box, a few at a time.
+    lc.save(tmp_path / "ck", state)
+    fut = lc.load_async(tmp_path / "ck")
+    assert torch.equal(fut.result()["big"], state["big"])
+    m = fut.metrics
+    assert m.bytes == state["big"].nbytes + state["small"].nbytes and m.requests == 2
+    assert 1 <= m.max_in_flight <= _shardfile.THREADS
 
 
 def _save_and_report(rank, group, path):
@@ -97,13 +107,13 @@ def test_metrics_per_rank(ranks, tmp_path):
 def test_load_future_result_honours_timeout(tmp_path, monkeypatch):
     lc.save(tmp_path / "ck", _state())
     gate = __import__("threading").Event()
-    settle = _fetch.Fetcher._settle
+    fill = _fetch.Fetcher._fill  # a local checkpoint's boxes are filled here
 
-    def slow_settle(self, *args):
+    def slow_fill(self, *args):
         gate.wait()  # the reads cannot finish until the test lets them
-        return settle(self, *args)
+        return fill(self, *args)
 
-    monkeypatch.setattr(_fetch.Fetcher, "_settle", slow_settle)
+    monkeypatch.setattr(_fetch.Fetcher, "_fill", slow_fill)
     fut = lc.load_async(tmp_path / "ck")
     with pytest.raises(TimeoutError, match=r"not done within 0\.2 s"):
         fut.result(timeout=0.2)

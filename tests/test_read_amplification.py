@@ -21,20 +21,12 @@ import torch
 
 import layoutckpt as lc
 
+from .counters import bytes_read
 from .oracle import mesh_coords
 
-COUNTER = "/tensorstore/kvstore/file/bytes_read"
 BOUND = 1.25
 CRC = 4  # crc32c after every inner chunk and after each shard index
 INDEX_ENTRY = 16  # (offset, length) as two uint64 per inner chunk
-
-
-def bytes_read() -> int:
-    """This process's running total of bytes TensorStore read from local files."""
-    for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/"):
-        if metric["name"] == COUNTER:
-            return int(sum(v.get("value", 0) for v in metric["values"]))
-    return 0
 
 
 def full_array(shape: tuple[int, ...]) -> torch.Tensor:
