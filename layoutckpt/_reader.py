@@ -6,20 +6,23 @@ metadata alone and fetches only the inner chunks the requested slice overlaps.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 import numpy as np
 import tensorstore as ts
 
-from . import _rankstate, _store
+from . import _rankstate, _shardfile, _store
 from ._dtypes import numpy_dtype
 from ._format import ArrayMeta, CheckpointMeta
-from ._location import locate
+from ._location import LocalDir, locate
+from ._plan import Box
 from ._spec import Mesh, P
 from ._tree import decode_value, leaf_nodes
 
@@ -176,6 +179,8 @@ class Reader:
         meta = self._array(self.aliases.get(name, name))
         dtype = numpy_dtype(meta.dtype)
         nbytes = dtype.itemsize * math.prod(b - a for a, b in box) if box is not None else 0
+        if box is not None and isinstance(self._root, LocalDir):
+            return self._read_local(name, meta, box, dtype, nbytes)
         if nbytes < PIECEWISE_BYTES:
             return _store.read_result(self.read_async(name, index), name, self.path)
         # A large box goes in row pieces on the inner chunk grid, all in flight at once, each
@@ -184,17 +189,43 @@ class Reader:
         # and warm 0.03-0.045 s against 0.065-0.075 s. No chunk is read twice.
         out = np.empty(tuple(b - a for a, b in box), dtype=dtype)
         target = ts.array(out, copy=False, write=True)
-        rows = meta.inner_chunk_shape[0] if meta.inner_chunk_shape else 1
-        (start, stop), rest = box[0], box[1:]
-        step = max(rows, -(-(stop - start) // PIECES) // rows * rows)
-        cuts = [start, *range(-(-start // rows) * rows + step, stop, step), stop]
-        copies = [
-            target[a - start : b - start].write(store[(slice(a, b), *(slice(lo, hi) for lo, hi in rest))])
-            for a, b in itertools.pairwise(cuts)
-        ]
+        start = box[0][0]
+        copies = []
+        for piece in _row_pieces(box, meta.inner_chunk_shape[0]):
+            (a, b), view = piece[0], store[tuple(slice(lo, hi) for lo, hi in piece)]
+            copies.append(target[a - start : b - start].write(view))
         for c in copies:
             _store.read_result(c, name, self.path)
         return out
+
+    def _read_local(self, name: str, meta: ArrayMeta, box: Box, dtype: np.dtype, nbytes: int) -> np.ndarray:
+        """A box of a local checkpoint, read from its shard files (``_shardfile.read_box``)
+        straight into the result; a large box in row pieces, read by a few threads at once (a
+        cold disk serves several requests in flight faster than one)."""
+        assert isinstance(self._root, LocalDir)
+        out = np.empty(tuple(b - a for a, b in box), dtype=dtype)
+        read = functools.partial(_store.read_box, self._root.root, meta, name, self.path, self.meta.all_chunks_stored)
+        if nbytes < PIECEWISE_BYTES:
+            read(box, out)
+            return out
+        start = box[0][0]
+        with ThreadPoolExecutor(_shardfile.THREADS, thread_name_prefix="layoutckpt-read") as threads:
+            done = [
+                threads.submit(read, piece, out[piece[0][0] - start : piece[0][1] - start])
+                for piece in _row_pieces(box, meta.inner_chunk_shape[0])
+            ]
+            for f in done:
+                f.result()
+        return out
+
+
+def _row_pieces(box: Box, rows: int) -> list[Box]:
+    """``box`` cut into about ``PIECES`` pieces along its first dimension, at multiples of the
+    inner chunk's ``rows``, so no chunk is read by two pieces."""
+    (start, stop), rest = box[0], box[1:]
+    step = max(rows, -(-(stop - start) // PIECES) // rows * rows)
+    cuts = [start, *range(-(-start // rows) * rows + step, stop, step), stop]
+    return [((a, b), *rest) for a, b in itertools.pairwise(cuts)]
 
 
 # Reads of at least this many bytes go in about PIECES concurrent pieces (``Reader.read``).

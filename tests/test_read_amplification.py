@@ -118,13 +118,14 @@ def middle_chunks(info: lc.ArrayInfo) -> tuple[tuple[int, int], ...]:
     ids=["whole", "box", "columns"],
 )
 def test_large_reads_go_in_pieces_with_the_same_bytes(tmp_path, index, monkeypatch):
-    """A read of 8 MiB or more is cut into concurrent row pieces on the chunk grid: the same
-    array, and no chunk fetched twice (a piece may read its shard's small index again)."""
-    from layoutckpt import _reader
+    """A read of 8 MiB or more is cut into concurrent row pieces on the chunk grid, each read
+    from the shard files straight into its rows of the result: the same array, and no chunk
+    fetched twice (a piece may read its shard's small index again)."""
+    from layoutckpt import _reader, _store
 
-    targets = []  # the result buffers TensorStore copies the pieces into
-    array = ts.array
-    monkeypatch.setattr(ts, "array", lambda *a, **k: targets.append(a[0]) or array(*a, **k))
+    pieces = []  # (box, destination) of every shard-file read
+    read_box = _store.read_box
+    monkeypatch.setattr(_store, "read_box", lambda *a: pieces.append(a[-2:]) or read_box(*a))
 
     path = str(tmp_path / "ck")
     full = full_array((3072, 2048))  # 24 MiB, one shard
@@ -139,15 +140,29 @@ def test_large_reads_go_in_pieces_with_the_same_bytes(tmp_path, index, monkeypat
     fetched = bytes_read() - before
 
     assert got.tobytes() == view.tobytes() and got.shape == view.shape
-    assert len(targets) == 1 and targets[0] is got  # really the piecewise path, into the result
     box = (
         tuple((0, n) for n in info.shape)
         if index is None
         else tuple((sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(index, info.shape))
     )
+    # Really in pieces, each into its own rows of the result, together covering the box once.
+    assert len(pieces) > 1 and all(np.shares_memory(out, got) for _, out in pieces)
+    assert [p[1:] for p, _ in pieces] == [box[1:]] * len(pieces)
+    rows = [p[0] for p, _ in pieces]
+    assert rows[0][0] == box[0][0] and rows[-1][1] == box[0][1]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+    assert all(start % info.inner_chunk_shape[0] == 0 for start, _ in rows[1:])
     index_bytes = INDEX_ENTRY * math.prod(s // c for s, c in zip(info.shard_shape, info.inner_chunk_shape)) + CRC
-    pieces = -(-view.nbytes // (_reader.PIECEWISE_BYTES // 2))
-    assert view.nbytes <= fetched <= chunk_accounting(info, box) + pieces * index_bytes
+    assert view.nbytes <= fetched <= chunk_accounting(info, box) + len(pieces) * index_bytes
+
+    # An object store (memory:// stands for one): TensorStore copies the pieces into the result.
+    targets = []
+    array = ts.array
+    monkeypatch.setattr(ts, "array", lambda *a, **k: targets.append(a[0]) or array(*a, **k))
+    remote = f"memory://{tmp_path.name}/ck"
+    lc.save(remote, {"w": full}, lc.Layout.replicated())
+    got = lc.open(remote).read("w", index)
+    assert got.tobytes() == view.tobytes() and len(targets) == 1 and targets[0] is got
 
 
 @pytest.mark.parametrize(
