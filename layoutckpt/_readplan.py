@@ -9,12 +9,13 @@ inner chunk it overlaps, whole (a chunk at the array's edge is stored padded).
 *Read amplification* is the bytes of the inner chunks fetched over the bytes the boxes hold:
 1.0 when every target box is a union of whole inner chunks. Index and checksum bytes are
 counted apart, as ``overhead_bytes``. For uncompressed arrays ``bytes_read + overhead_bytes``
-is what TensorStore fetches from storage (measured in ``tests/test_cli.py``), but for a few
-bytes: the loader reads a box over ``_fetch.PIECE_BYTES`` in pieces, and TensorStore shares one
-fetch of a shard's index only among reads in flight together, so a piece issued after the
-others are done (past the loader's bytes-in-flight budget, say) fetches the index again: 16
-bytes per inner chunk of the shard. For compressed arrays ``bytes_read`` counts decoded bytes;
-storage returns fewer.
+is what a load fetches from storage (measured in ``tests/test_cli.py``): exactly, from a local
+directory, whose shard files the loader reads itself (``_shardfile.read_box``: each shard's index
+once per box, then its chunks); but for a few bytes from an object store, where TensorStore
+reads a box over ``_fetch.PIECE_BYTES`` in pieces and shares one fetch of a shard's index only
+among reads in flight together, so a piece issued after the others are done (past the loader's
+bytes-in-flight budget, say) fetches the index again: 16 bytes per inner chunk of the shard.
+For compressed arrays ``bytes_read`` counts decoded bytes; storage returns fewer.
 """
 
 from __future__ import annotations
