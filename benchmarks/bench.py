@@ -70,12 +70,14 @@ MEASUREMENTS: dict[str, dict[str, Any]] = {
     "dcp_save": dict(group="save", system="dcp"),
     "dcp_async": dict(group="async", system="dcp"),
     "st_save": dict(group="save", system="safetensors", rank0=True),
+    "orbax_save": dict(group="save", system="orbax", rank0=True),
     # read cold, then warm, with the state dropped
     "raw_read": dict(group="load", system="limit", needs="raw_write", files="raw"),
     "lc_load": dict(group="load", system="lc", needs="lc_save", files="lc"),
     "torch_load": dict(group="load", system="torch", needs="torch_save", files="torch"),
     "dcp_load": dict(group="load", system="dcp", needs="dcp_save", files="dcp"),
     "st_load": dict(group="load", system="safetensors", needs="st_save", files="st", rank0=True),
+    "orbax_load": dict(group="load", system="orbax", needs="orbax_save", files="orbax", rank0=True),
     "lc_reshard": dict(group="reshard", system="lc", needs="lc_save", files="lc"),
     "dcp_reshard": dict(group="reshard", system="dcp", needs="dcp_save", files="dcp"),
     "raw_read_tensor": dict(group="partial", system="limit", needs="raw_write", files="raw", rank0=True),
@@ -100,6 +102,7 @@ WRITE_ROWS = [
     ("save", "torch.save+fsync", "torch_save", "seconds", "local", "peer"),
     ("save", "DCP save", "dcp_save", "seconds", "local", "peer"),
     ("save", "safetensors save_file+fsync (rank 0)", "st_save", "seconds", "local0", "peer"),
+    ("save", "Orbax save (rank 0)", "orbax_save", "seconds", "local0", "peer"),
     ("save_async blocked", "memcpy (staging bound)", "memcpy", "seconds", "local", "limit"),
     ("save_async blocked", "layoutckpt save_async", "lc_async", "blocked", "local", "lc"),
     ("save_async blocked", "DCP async_save", "dcp_async", "blocked", "local", "peer"),
@@ -113,6 +116,7 @@ READ_ROWS = [
     ("load", "torch.load", "torch_load", "local", "peer"),
     ("load", "DCP load", "dcp_load", "local", "peer"),
     ("load", "safetensors load_file (rank 0)", "st_load", "local0", "peer"),
+    ("load", "Orbax restore (rank 0)", "orbax_load", "local0", "peer"),
     ("load resharded", "raw read", "raw_read", "local", "limit"),
     ("load resharded", "layoutckpt load", "lc_reshard", "reshard", "lc"),
     ("load resharded", "DCP load", "dcp_reshard", "reshard", "peer"),
@@ -210,7 +214,8 @@ class _Rank:
         self.state, self.flat, self.nbytes = build_state(self.dims, world, rank, self.device)
         self.dcp_state = {k: self.dtensor(t, k, RULES, self.dmesh) for k, t in self.flat.items()}
         self.paths = {
-            name: os.path.join(self.work, name) for name in ("raw", "lc", "lc_async", "torch", "dcp", "dcp_async", "st")
+            name: os.path.join(self.work, name)
+            for name in ("raw", "lc", "lc_async", "torch", "dcp", "dcp_async", "st", "orbax")
         }
         self.need = {
             "local": self.nbytes["local"],
@@ -351,6 +356,28 @@ class _Rank:
         finally:
             os.close(fd)
 
+    def orbax_save(self) -> Callable[[], None]:
+        """The state as jax.Arrays, what an Orbax user holds (untimed, rank 0 only); returns the
+        timed save: ``StandardCheckpointer.save`` until its background commit is done."""
+        if self.rank != 0:
+            return lambda: None
+        import jax
+        import orbax.checkpoint as ocp
+
+        from layoutckpt._tensors import to_numpy
+
+        jax.config.update("jax_enable_x64", True)  # int64 steps stay int64, as in the other systems
+        state = {k: jax.device_put(to_numpy(v)) for k, v in self.flat.items()}
+        jax.block_until_ready(state)
+        checkpointer = ocp.StandardCheckpointer()
+        path = os.path.abspath(self.paths["orbax"])
+
+        def save() -> None:
+            checkpointer.save(path, state)
+            checkpointer.wait_until_finished()
+
+        return save
+
     # --- reads (the state dropped) ----------------------------------------------------------
 
     def raw_read(self, nbytes: int | None = None) -> Any:
@@ -406,6 +433,15 @@ class _Rank:
                 int(flat[::page].sum())
         return out
 
+    def orbax_load(self) -> Any:
+        import jax
+        import orbax.checkpoint as ocp
+
+        jax.config.update("jax_enable_x64", True)
+        out = ocp.StandardCheckpointer().restore(os.path.abspath(self.paths["orbax"]))
+        jax.block_until_ready(out)
+        return out
+
     def lc_read(self, index: Any = None) -> Any:
         with self.lc.open(self.paths["lc"]) as rd:
             return rd.read(PARTIAL_TENSOR, index)
@@ -437,6 +473,7 @@ class _Rank:
             "dcp_save": (self.dcp_save, "dcp"),
             "dcp_async": (self.dcp_async, "dcp_async"),
             "st_save": (self.st_save, "st"),
+            "orbax_save": (self.orbax_save, "orbax"),
         }
 
     def read_ops(self) -> dict[str, Callable[[], Any]]:
@@ -450,6 +487,7 @@ class _Rank:
             "torch_load": self.torch_load,
             "dcp_load": self.dcp_load,
             "st_load": self.st_load,
+            "orbax_load": self.orbax_load,
             "lc_reshard": self.lc_reshard,
             "dcp_reshard": lambda: self.dcp_load(SWAPPED_RULES),
             "raw_read_tensor": lambda: self.raw_read(tensor_bytes),
@@ -478,8 +516,8 @@ class _Rank:
                     if self.rank == 0 and folder in ("raw", "torch", "st"):  # the others make their own
                         os.makedirs(self.paths[folder])
                     self.barrier()
-                if key == "memcpy":
-                    fn = fn()  # allocate and touch the destination, untimed
+                if key in ("memcpy", "orbax_save"):
+                    fn = fn()  # allocate and fill the source or destination, untimed
                 per.setdefault(key, []).append(self.measure(fn, rank0=rank0))
                 # Other folders are removed by the clean() before their next write; the async
                 # ones go at once, as the reads do not use them.
@@ -487,7 +525,9 @@ class _Rank:
                     self.clean(self.paths[folder])
                 del fn
         files_written = {
-            name: len(files_under(self.paths[name])) for name in ("lc", "torch", "dcp", "st", "raw") if self.rank == 0
+            name: len(files_under(self.paths[name]))
+            for name in ("lc", "torch", "dcp", "st", "orbax", "raw")
+            if self.rank == 0
         }
 
         # The reads: the state, the staging pool and every other big buffer are dropped first,
@@ -534,11 +574,17 @@ class _Rank:
             self.digests[key] = digest(flatten(value))
         elif key in ("torch_load", "dcp_load", "dcp_reshard", "st_load"):
             self.digests[key] = digest(value)
+        elif key == "orbax_load":
+            import numpy as np
+
+            from layoutckpt._tensors import from_numpy
+
+            self.digests[key] = digest({k: from_numpy(np.asarray(v), str(v.dtype)) for k, v in value.items()})
 
     def compare_digests(self) -> dict[str, bool]:
         """Same-layout loads must give back the state; both resharded loads must agree."""
         d = self.digests
-        out = {k: d[k] == d["state"] for k in ("lc_load", "torch_load", "dcp_load", "st_load") if k in d}
+        out = {k: d[k] == d["state"] for k in ("lc_load", "torch_load", "dcp_load", "st_load", "orbax_load") if k in d}
         if "lc_reshard" in d and "dcp_reshard" in d:
             out["lc_reshard == dcp_reshard"] = d["lc_reshard"] == d["dcp_reshard"]
         return out
@@ -825,11 +871,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     safetensors_ok = importlib.util.find_spec("safetensors") is not None
     if not safetensors_ok:
         measurements = [m for m in measurements if MEASUREMENTS[m]["system"] != "safetensors"]
-    orbax = (
-        "installed, not measured by this harness"
-        if importlib.util.find_spec("jax") and importlib.util.find_spec("orbax")
-        else "not installed"
-    )
+    orbax_ok = bool(importlib.util.find_spec("jax") and importlib.util.find_spec("orbax"))
+    if not orbax_ok:
+        measurements = [m for m in measurements if MEASUREMENTS[m]["system"] != "orbax"]
+    orbax = "installed (measured on rank 0 alone, like safetensors)" if orbax_ok else "not installed"
     results: dict[str, Any] = {
         "command": sys.argv if argv is None else ["bench.py", *argv],
         "options": {**vars(args), "dims": dims, "partial_tensor": PARTIAL_TENSOR, "measurements": measurements},
