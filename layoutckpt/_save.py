@@ -628,7 +628,8 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
         for item in items:
             item.fail(SaveError("the save stopped before this shard was written"))
         if threads is not None:
-            threads.shutdown(wait=True)  # a thread may still be writing from a staged buffer
+            # Unstarted shards are dropped; a thread may still be writing from a staged buffer.
+            threads.shutdown(wait=True, cancel_futures=True)
         for item in items:
             item.release()
     return written
