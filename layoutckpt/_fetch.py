@@ -37,23 +37,15 @@ import numpy as np
 from ._metrics import InFlight
 from ._plan import Box
 from ._shardfile import THREADS
+from ._store import linux_call
 
 PIECE_BYTES = 16 << 20
 BUDGET_BYTES = 96 << 20
 TRIM_BYTES = 64 << 20
 
 
-def _trimmer() -> Callable[[], Any]:
-    """glibc's ``malloc_trim(0)``, or nothing where the C library has no such call."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return lambda *_: None
-
-
-_trim = _trimmer()
+# glibc's ``malloc_trim(0)``, or nothing where the C library has no such call.
+_trim = linux_call("malloc_trim") or (lambda *_: None)
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 import numpy as np
@@ -61,17 +61,18 @@ def inner_boxes(
     return [box if all(a < b for a, b in box) else None for box in itertools.product(*per_dim)]
 
 
-def _compressor(compression: str | None, itemsize: int) -> Callable[[bytes | memoryview], bytes] | None:
-    """The encoder of the compression codec the array document names (``_format``)."""
+def _codec(compression: str | None, itemsize: int) -> Any:
+    """The numcodecs codec of the compression the array document names (``_format``): its
+    ``encode`` writes what TensorStore would, its ``decode`` reads any such chunk."""
     if compression is None:
         return None
     from numcodecs import Blosc, Zstd
 
     if compression == "zstd":
-        return Zstd(level=3, checksum=False).encode
+        return Zstd(level=3, checksum=False)
     if compression == "blosc":
         shuffle = Blosc.SHUFFLE if itemsize > 1 else Blosc.BITSHUFFLE
-        return Blosc(cname="zstd", clevel=3, shuffle=shuffle, blocksize=0, typesize=itemsize).encode
+        return Blosc(cname="zstd", clevel=3, shuffle=shuffle, blocksize=0, typesize=itemsize)
     raise ValueError(f"compression must be None, 'zstd' or 'blosc', got {compression!r}")
 
 
@@ -93,7 +94,7 @@ def write_shard(
     With ``start_writeback`` the kernel is asked to start writing the file to storage as soon
     as it is closed (``_store.start_writeback``).
     """
-    compress = _compressor(compression, dtype.itemsize)
+    codec = _codec(compression, dtype.itemsize)
     inner = tuple(inner_shape)
     index = np.full((len(boxes), 2), _ABSENT, dtype="<u8")
     scratch: np.ndarray | None = None  # one gather buffer per shard, not one per chunk
@@ -115,7 +116,7 @@ def write_shard(
                 scratch[tuple(slice(0, n) for n in data.shape)] = data
                 chunk = scratch
             raw = chunk.reshape(-1).view(np.uint8)
-            encoded = raw if compress is None else compress(raw)
+            encoded = raw if codec is None else codec.encode(raw)
             _write_all(fd, [encoded, crc32c.crc32c(encoded).to_bytes(4, "little")])
             nbytes = len(encoded) + 4
             index[i] = (offset, nbytes)
@@ -178,7 +179,7 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
     global _bytes_read
     inner = tuple(meta.inner_chunk_shape)
     chunk_bytes = out.dtype.itemsize * math.prod(inner)
-    decompress = _decompressor(meta.compression)
+    codec = _codec(meta.compression, out.dtype.itemsize)
     buffer: np.ndarray | None = None
     nread = 0
     origin = [a for a, _ in box]
@@ -233,7 +234,7 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
                     payload = view[:-4]
                     if crc32c.crc32c(payload) != int.from_bytes(view[-4:].tobytes(), "little"):
                         raise Damaged(False, f"inner chunk {i} of shard {key} fails its crc32c")
-                    raw = payload if decompress is None else np.frombuffer(decompress(payload), np.uint8)
+                    raw = payload if codec is None else np.frombuffer(codec.decode(payload), np.uint8)
                     if len(raw) != chunk_bytes:
                         raise Damaged(
                             False, f"inner chunk {i} of shard {key} decodes to {len(raw)} bytes, not {chunk_bytes}"
@@ -250,16 +251,3 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
 def _intersect(a: Box, b: Box) -> Box | None:
     part = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return part if all(lo < hi for lo, hi in part) else None
-
-
-def _decompressor(compression: str | None) -> Callable[[np.ndarray], bytes] | None:
-    """The decoder of the compression codec the array document names (``_format``)."""
-    if compression is None:
-        return None
-    from numcodecs import Blosc, Zstd
-
-    if compression == "zstd":
-        return Zstd().decode  # type: ignore[no-any-return]
-    if compression == "blosc":
-        return Blosc().decode  # type: ignore[no-any-return]
-    raise ValueError(f"compression must be None, 'zstd' or 'blosc', got {compression!r}")

@@ -9,6 +9,8 @@ leaves either the old checkpoint or the new one, never a mix.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 import sys
@@ -147,34 +149,22 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _libc_syncfs() -> Any:
+def linux_call(name: str, *argtypes: Any) -> Any:
+    """The C library's function ``name`` (with ``argtypes`` where given), or None off Linux or
+    where the library lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.syncfs
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
     except (OSError, AttributeError):
         return None
+    if argtypes:
+        fn.argtypes = argtypes
+    return fn
 
 
-_SYNCFS = _libc_syncfs() if sys.platform.startswith("linux") else None
-
-
-def _libc_sync_file_range() -> Any:
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range() if sys.platform.startswith("linux") else None
+_SYNCFS = linux_call("syncfs")
+_SYNC_FILE_RANGE = linux_call("sync_file_range", ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
