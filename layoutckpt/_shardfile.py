@@ -99,8 +99,9 @@ def write_shard(
     index = np.full((len(boxes), 2), _ABSENT, dtype="<u8")
     scratch: np.ndarray | None = None  # one gather buffer per shard, not one per chunk
     offset = 0
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    from . import _store  # lazily: it imports TensorStore
+
+    fd = _store.create_file(file)
     try:
         for i, box in enumerate(boxes):
             if box is None:
@@ -124,9 +125,7 @@ def write_shard(
         table = index.tobytes()
         _write_all(fd, [table, crc32c.crc32c(table).to_bytes(4, "little")])
         if start_writeback:
-            from ._store import start_writeback as kick
-
-            kick(fd)
+            _store.start_writeback(fd)
     finally:
         os.close(fd)
     return offset + len(table) + 4
