@@ -310,11 +310,148 @@ def _start(
     signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {m!r}") for a, (m, s) in zip(arrays, shardings)]
     signature += [(a.name, a.dtype, 1, f"{spec!r} on {mesh!r}") for a, spec in flats]
     agreed = (signature, structure, rank_doc is not None)
-    hi, lo = _agree(comm, error, [*digest(agreed), sum(len(a.shape) for a in arrays)])
-    if hi != lo:
+    key = None if error else _plan_key(comm, mesh, arrays, shardings, flats, inner_chunk_bytes, compression)
+    cached = _PLANS.get(key)
+    checked = [*digest(agreed), sum(len(a.shape) for a in arrays)]
+    # Two more words ride on this collective: the save that made each rank's cached plan (-1
+    # for none), and rank 0's random token, which names the temporary directory.
+    hi, lo = _agree(
+        comm, error, [*checked, cached.token if cached else -1, _store.new_token() if comm.rank == 0 else 0]
+    )
+    if hi[: len(checked)] != lo[: len(checked)]:
         raise InconsistentShardsError(_describe_disagreement(comm, signature))
+    token = hi[-1]
+    if cached is None or hi[-2] != lo[-2]:
+        # 2. Not every rank holds a plan made by one earlier save of this same state: plan.
+        cached = _plan_globally(comm, mesh, arrays, shardings, flats, token, inner_chunk_bytes, compression)
+        _remember(key, cached)
+    metas = dict(cached.metas)
 
-    # 2. Global shapes from every rank's local shapes, then this rank's shards are checked.
+    # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
+    tmp = final.staging(token)
+    writer_comm = comm if not copy else background_comm(comm, f"save-{token:012x}")
+    meta = CheckpointMeta(
+        arrays=metas,
+        tree=structure,
+        mesh=mesh,
+        rules=layout.spec_rules if layout is not None else (),
+        step=step,
+        user_metadata=dict(metadata or {}),
+        library_version=__version__,
+        rank_state_world=comm.world if rank_doc is not None else None,
+        all_chunks_stored=True,
+    )
+    mine = [(arrays[i].name, box) for i, box in cached.regular]
+    sources = [arrays[i].source for i, _ in cached.regular]
+    # Boundary fragments travel now, on the caller's thread: the process group is free, and
+    # each rank sends at most one row block's fragment per flat buffer.
+    for name, box, data in _flat_writes(comm, flats, cached.flat_shards, mesh):
+        mine.append((name, box))
+        sources.append(data)
+    job = _Job(tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, t0, "save_async" if copy else "save")
+    job.phases.since("plan", t0)
+    items = [Staged(source) for source in sources]
+    fut = SaveFuture(final.url)
+
+    # 4. Stage and write. A synchronous save writes straight from the live tensors.
+    if not copy:
+        for s in items:
+            s.view()
+        fut._set_staged()
+        _write_and_commit(job, items, writer_comm, fut, None, None)
+        return fut
+    stream = side_stream(items)
+    if stream is not None:
+        fut._wait_staged_hook = stream.synchronize
+    returned = threading.Event()  # the result reports how long this call blocked
+    # Within the budget the writer starts once everything is staged: writing meanwhile would
+    # only compete with the copy for the GIL and the cores. Over it, writes must free buffers.
+    waves = budget is not None and sum(s.nbytes for s in items) > budget
+    gate = None if waves else fut._staged
+    swap_in_flight(fut)
+    threading.Thread(
+        target=_write_and_commit, args=(job, items, writer_comm, fut, returned, gate), name="layoutckpt-save"
+    ).start()
+
+    def stage() -> None:
+        start = time.perf_counter()
+        try:
+            stage_all(items, budget, stream)
+        except BaseException as err:
+            fut._set_staged(err)
+            raise
+        job.phases.since("stage", start)
+        fut._set_staged()
+
+    try:
+        if lazy:
+            threading.Thread(target=_quietly(stage), name="layoutckpt-stage", daemon=True).start()
+        else:
+            try:
+                stage()
+                fut.wait_staged()
+            except BaseException:
+                fut._observed = True  # raised here; the next save must not raise it again
+                raise
+    finally:
+        fut._blocked_seconds = time.perf_counter() - t0
+        returned.set()
+    return fut
+
+
+@attrs.frozen
+class _Planned:
+    """What a save plans from every rank's shapes; the next save of the same state reuses it."""
+
+    token: int  # the token of the save that planned it: the same on every rank
+    metas: dict[str, ArrayMeta]
+    regular: list[tuple[int, _plan.Box]]  # (index into the arrays, box) this rank writes
+    flat_shards: list[list[tuple[int, ...]]]
+
+
+# The plans of the last few states this process saved, by everything they depend on that this
+# rank knows alone. A training loop saves one state again and again: its global shapes, array
+# documents and write assignment are planned once, and later saves skip two collectives.
+_PLANS: dict[Any, _Planned] = {}
+_PLANS_KEPT = 4
+
+
+def _plan_key(
+    comm: Comm,
+    mesh: Mesh,
+    arrays: list[_Local],
+    shardings: list[tuple[Mesh, P]],
+    flats: list[tuple[_Local, Flat]],
+    inner_chunk_bytes: int,
+    compression: str | None,
+) -> Any:
+    local = tuple(
+        (a.name, a.dtype, a.shape, a.itemsize, a.kind, m, spec, a.dtensor.shape if a.dtensor is not None else None)
+        for a, (m, spec) in zip(arrays, shardings)
+    )
+    flat = tuple((a.name, a.dtype, a.shape, a.itemsize, a.kind, repr(spec)) for a, spec in flats)
+    return (comm.rank, tuple(comm.global_ranks), mesh, local, flat, inner_chunk_bytes, compression)
+
+
+def _remember(key: Any, planned: _Planned) -> None:
+    _PLANS.pop(key, None)
+    _PLANS[key] = planned
+    while len(_PLANS) > _PLANS_KEPT:
+        del _PLANS[next(iter(_PLANS))]
+
+
+def _plan_globally(
+    comm: Comm,
+    mesh: Mesh,
+    arrays: list[_Local],
+    shardings: list[tuple[Mesh, P]],
+    flats: list[tuple[_Local, Flat]],
+    token: int,
+    inner_chunk_bytes: int,
+    compression: str | None,
+) -> _Planned:
+    """Global shapes from every rank's local shapes, the array documents, and this rank's
+    writes; this rank's shards are checked against them on every rank."""
     local_dims = [d for a in arrays for d in a.shape]
     sums = comm.all_reduce(local_dims, "sum")
     maxs, mins = comm.all_max_min(local_dims)
@@ -370,80 +507,8 @@ def _start(
                 )
     except InconsistentShardsError as err:
         error = err
-    # Rank 0's random token names the temporary directory; it rides on this collective.
-    (token,), _ = _agree(comm, error, [_store.new_token() if comm.rank == 0 else 0])
-
-    # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
-    tmp = final.staging(token)
-    writer_comm = comm if not copy else background_comm(comm, f"save-{token:012x}")
-    meta = CheckpointMeta(
-        arrays=metas,
-        tree=structure,
-        mesh=mesh,
-        rules=layout.spec_rules if layout is not None else (),
-        step=step,
-        user_metadata=dict(metadata or {}),
-        library_version=__version__,
-        rank_state_world=comm.world if rank_doc is not None else None,
-        all_chunks_stored=True,
-    )
-    regular = _plan.writes_of(plan_arrays, mesh, comm.rank)
-    mine = [(arrays[i].name, box) for i, box in regular]
-    sources = [arrays[i].source for i, _ in regular]
-    # Boundary fragments travel now, on the caller's thread: the process group is free, and
-    # each rank sends at most one row block's fragment per flat buffer.
-    for name, box, data in _flat_writes(comm, flats, flat_shards, mesh):
-        mine.append((name, box))
-        sources.append(data)
-    job = _Job(tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, t0, "save_async" if copy else "save")
-    job.phases.since("plan", t0)
-    items = [Staged(source) for source in sources]
-    fut = SaveFuture(final.url)
-
-    # 4. Stage and write. A synchronous save writes straight from the live tensors.
-    if not copy:
-        for s in items:
-            s.view()
-        fut._set_staged()
-        _write_and_commit(job, items, writer_comm, fut, None, None)
-        return fut
-    stream = side_stream(items)
-    if stream is not None:
-        fut._wait_staged_hook = stream.synchronize
-    returned = threading.Event()  # the result reports how long this call blocked
-    # Within the budget the writer starts once everything is staged: writing meanwhile would
-    # only compete with the copy for the GIL and the cores. Over it, writes must free buffers.
-    waves = budget is not None and sum(s.nbytes for s in items) > budget
-    gate = None if waves else fut._staged
-    swap_in_flight(fut)
-    threading.Thread(
-        target=_write_and_commit, args=(job, items, writer_comm, fut, returned, gate), name="layoutckpt-save"
-    ).start()
-
-    def stage() -> None:
-        start = time.perf_counter()
-        try:
-            stage_all(items, budget, stream)
-        except BaseException as err:
-            fut._set_staged(err)
-            raise
-        job.phases.since("stage", start)
-        fut._set_staged()
-
-    try:
-        if lazy:
-            threading.Thread(target=_quietly(stage), name="layoutckpt-stage", daemon=True).start()
-        else:
-            try:
-                stage()
-                fut.wait_staged()
-            except BaseException:
-                fut._observed = True  # raised here; the next save must not raise it again
-                raise
-    finally:
-        fut._blocked_seconds = time.perf_counter() - t0
-        returned.set()
-    return fut
+    _agree(comm, error, [])
+    return _Planned(token, metas, _plan.writes_of(plan_arrays, mesh, comm.rank), flat_shards)
 
 
 def _flat_names(a: _Local, spec: Flat) -> list[str]:
