@@ -310,7 +310,8 @@ def _start(
     signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {m!r}") for a, (m, s) in zip(arrays, shardings)]
     signature += [(a.name, a.dtype, 1, f"{spec!r} on {mesh!r}") for a, spec in flats]
     agreed = (signature, structure, rank_doc is not None)
-    key = None if error else _plan_key(comm, mesh, arrays, shardings, flats, inner_chunk_bytes, compression)
+    what = _ToPlan(mesh, arrays, shardings, flats, inner_chunk_bytes, compression)
+    key = None if error else what.key(comm)
     cached = _PLANS.get(key)
     checked = [*digest(agreed), sum(len(a.shape) for a in arrays)]
     # Two more words ride on this collective: the save that made each rank's cached plan (-1
@@ -323,7 +324,7 @@ def _start(
     token = hi[-1]
     if cached is None or hi[-2] != lo[-2]:
         # 2. Not every rank holds a plan made by one earlier save of this same state: plan.
-        cached = _plan_globally(comm, mesh, arrays, shardings, flats, token, inner_chunk_bytes, compression)
+        cached = _plan_globally(comm, what, token)
         _remember(key, cached)
     metas = dict(cached.metas)
 
@@ -416,21 +417,25 @@ _PLANS: dict[Any, _Planned] = {}
 _PLANS_KEPT = 4
 
 
-def _plan_key(
-    comm: Comm,
-    mesh: Mesh,
-    arrays: list[_Local],
-    shardings: list[tuple[Mesh, P]],
-    flats: list[tuple[_Local, Flat]],
-    inner_chunk_bytes: int,
-    compression: str | None,
-) -> Any:
-    local = tuple(
-        (a.name, a.dtype, a.shape, a.itemsize, a.kind, m, spec, a.dtensor.shape if a.dtensor is not None else None)
-        for a, (m, spec) in zip(arrays, shardings)
-    )
-    flat = tuple((a.name, a.dtype, a.shape, a.itemsize, a.kind, repr(spec)) for a, spec in flats)
-    return (comm.rank, tuple(comm.global_ranks), mesh, local, flat, inner_chunk_bytes, compression)
+@attrs.frozen
+class _ToPlan:
+    """What a save plans from: this rank's arrays, how each is split, and the chunking."""
+
+    mesh: Mesh
+    arrays: list[_Local]
+    shardings: list[tuple[Mesh, P]]
+    flats: list[tuple[_Local, Flat]]
+    inner_chunk_bytes: int
+    compression: str | None
+
+    def key(self, comm: Comm) -> Any:
+        """Everything the plan depends on that this rank knows alone (hashable)."""
+        local = tuple(
+            (a.name, a.dtype, a.shape, a.itemsize, a.kind, m, spec, a.dtensor.shape if a.dtensor is not None else None)
+            for a, (m, spec) in zip(self.arrays, self.shardings)
+        )
+        flat = tuple((a.name, a.dtype, a.shape, a.itemsize, a.kind, repr(spec)) for a, spec in self.flats)
+        return (comm.rank, tuple(comm.global_ranks), self.mesh, local, flat, self.inner_chunk_bytes, self.compression)
 
 
 def _remember(key: Any, planned: _Planned) -> None:
@@ -440,18 +445,11 @@ def _remember(key: Any, planned: _Planned) -> None:
         del _PLANS[next(iter(_PLANS))]
 
 
-def _plan_globally(
-    comm: Comm,
-    mesh: Mesh,
-    arrays: list[_Local],
-    shardings: list[tuple[Mesh, P]],
-    flats: list[tuple[_Local, Flat]],
-    token: int,
-    inner_chunk_bytes: int,
-    compression: str | None,
-) -> _Planned:
+def _plan_globally(comm: Comm, what: _ToPlan, token: int) -> _Planned:
     """Global shapes from every rank's local shapes, the array documents, and this rank's
     writes; this rank's shards are checked against them on every rank."""
+    mesh, arrays, shardings, flats = what.mesh, what.arrays, what.shardings, what.flats
+    inner_chunk_bytes, compression = what.inner_chunk_bytes, what.compression
     local_dims = [d for a in arrays for d in a.shape]
     sums = comm.all_reduce(local_dims, "sum")
     maxs, mins = comm.all_max_min(local_dims)
