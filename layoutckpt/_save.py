@@ -325,7 +325,7 @@ def _start(
     if cached is None or hi[-2] != lo[-2]:
         # 2. Not every rank holds a plan made by one earlier save of this same state: plan.
         cached = _plan_globally(comm, what, token)
-        _remember(key, cached)
+    _remember(key, cached)
     metas = dict(cached.metas)
 
     # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
@@ -412,7 +412,7 @@ class _Planned:
 
 # The plans of the last few states this process saved, by everything they depend on that this
 # rank knows alone. A training loop saves one state again and again: its global shapes, array
-# documents and write assignment are planned once, and later saves skip two collectives.
+# documents and write assignment are planned once, and later saves run one collective, not four.
 _PLANS: dict[Any, _Planned] = {}
 _PLANS_KEPT = 4
 
@@ -439,6 +439,7 @@ class _ToPlan:
 
 
 def _remember(key: Any, planned: _Planned) -> None:
+    """Keep ``planned`` as the newest plan; the oldest of more than ``_PLANS_KEPT`` goes."""
     _PLANS.pop(key, None)
     _PLANS[key] = planned
     while len(_PLANS) > _PLANS_KEPT:
