@@ -38,7 +38,7 @@ from ._safetensors_format import (
     read_header,
 )
 from ._save import _check_user_metadata, _write_skeleton
-from ._shardfile import chunk_key, grid_cells, inner_boxes, write_shard
+from ._shardfile import grid_cells, write_shard
 from ._spec import P, check_spec
 from ._tree import check_no_prefix_clash, name_to_path
 from ._version import __version__
@@ -434,11 +434,8 @@ def import_safetensors(
         for name, a in arrays.items():
             h, t = tensors[name]
             for cell in grid_cells(a.shape, a.shard_shape):
-                boxes = inner_boxes(a.shape, a.shard_shape, a.inner_chunk_shape, cell)
                 read = lambda box, h=h, t=t: _read_box(h, t, box)  # noqa: E731
-                write_shard(
-                    tmp / a.path / chunk_key(cell), boxes, a.inner_chunk_shape, numpy_dtype(a.dtype), read, compression
-                )
+                write_shard(tmp, a, cell, numpy_dtype(a.dtype), read)
         _write_skeleton(staging, meta, 0, 1)
         staging.make_durable()
         final.commit(staging, root_document(meta), overwrite=overwrite)

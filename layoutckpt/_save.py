@@ -709,11 +709,7 @@ def _write_shard_file(job: _Job, root: LocalDir, meta: ArrayMeta, cell: tuple[in
         def read(box: _plan.Box) -> np.ndarray:
             return data[tuple(slice(a - o, b - o) for (a, b), o in zip(box, origin))]
 
-        boxes = _shardfile.inner_boxes(meta.shape, meta.shard_shape, meta.inner_chunk_shape, cell)
-        file = root.root / meta.path / _shardfile.chunk_key(cell)
-        _shardfile.write_shard(
-            file, boxes, meta.inner_chunk_shape, data.dtype, read, meta.compression, start_writeback=True
-        )
+        _shardfile.write_shard(root.root, meta, cell, data.dtype, read, start_writeback=True)
         job.in_flight.done(data.nbytes)
         return data.nbytes
     finally:

@@ -77,31 +77,32 @@ def _codec(compression: str | None, itemsize: int) -> Any:
 
 
 def write_shard(
-    file: Path,
-    boxes: Sequence[Box | None],
-    inner_shape: Sequence[int],
+    root: Path,
+    meta: ArrayMeta,
+    cell: Sequence[int],
     dtype: np.dtype,
     read: Callable[[Box], np.ndarray],
-    compression: str | None = None,
     *,
     start_writeback: bool = False,
 ) -> int:
-    """Write the shard whose inner chunks cover ``boxes`` (from ``inner_boxes``) to ``file``;
-    ``read(box)`` gives the elements of a box. Returns the bytes written.
+    """Write the shard at grid ``cell`` of the array ``meta`` under the local directory
+    ``root``; ``read(box)`` gives the elements of a box of the array, as ``dtype``. Returns the
+    bytes written.
 
     A chunk that reaches past the array's edge is stored whole, padded with the fill value
     (zero bits, ``False`` for bool); chunks wholly outside the array are absent from the index.
     With ``start_writeback`` the kernel is asked to start writing the file to storage as soon
     as it is closed (``_store.start_writeback``).
     """
-    codec = _codec(compression, dtype.itemsize)
-    inner = tuple(inner_shape)
+    codec = _codec(meta.compression, dtype.itemsize)
+    inner = tuple(meta.inner_chunk_shape)
+    boxes = inner_boxes(meta.shape, meta.shard_shape, inner, cell)
     index = np.full((len(boxes), 2), _ABSENT, dtype="<u8")
     scratch: np.ndarray | None = None  # one gather buffer per shard, not one per chunk
     offset = 0
     from . import _store  # lazily: it imports TensorStore
 
-    fd = _store.create_file(file)
+    fd = _store.create_file(root / meta.path / chunk_key(cell))
     try:
         for i, box in enumerate(boxes):
             if box is None:
