@@ -44,11 +44,6 @@ def grid_cells(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[int
     return itertools.product(*(range(-(-n // c)) for n, c in zip(shape, chunk)))
 
 
-def chunk_key(cell: Sequence[int]) -> str:
-    """The Zarr key of a grid cell (default encoding, separator ``/``): ``c/0/1``; ``c`` if 0-d."""
-    return "/".join(["c", *map(str, cell)])
-
-
 def inner_boxes(
     shape: Sequence[int], shard_shape: Sequence[int], inner_shape: Sequence[int], cell: Sequence[int]
 ) -> list[Box | None]:
@@ -102,7 +97,7 @@ def write_shard(
     offset = 0
     from . import _store  # lazily: it imports TensorStore
 
-    fd = _store.create_file(root / meta.path / chunk_key(cell))
+    fd = _store.create_file(root / meta.path / meta.chunk_key(cell))
     try:
         for i, box in enumerate(boxes):
             if box is None:
@@ -192,7 +187,7 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
         cells = itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, meta.shard_shape)))
         for cell in cells:
             boxes = inner_boxes(meta.shape, meta.shard_shape, inner, cell)
-            key = chunk_key(cell)
+            key = meta.chunk_key(cell)
             try:
                 fd = os.open(root / meta.path / key, os.O_RDONLY)
             except FileNotFoundError:

@@ -27,7 +27,7 @@ from . import _readplan, _store
 from ._errors import FormatError, IntegrityError
 from ._plan import Box, box_shape, chunks_touched
 from ._reader import Reader
-from ._shardfile import chunk_key, grid_cells
+from ._shardfile import grid_cells
 
 BUDGET_BYTES = 64 << 20
 
@@ -102,7 +102,7 @@ def stored_shards(rd: Reader, name: str, v: Verification) -> set[str]:
             text = "its zarr.json disagrees with the checkpoint's root metadata: plain zarr would misread it"
             v.problems.append(Finding(name, None, text))
     present = {k.decode() for k in kv.list().result()}
-    expected = [chunk_key(cell) for cell in grid_cells(a.shape, a.shard_shape)]
+    expected = [a.chunk_key(cell) for cell in grid_cells(a.shape, a.shard_shape)]
     for key in expected:
         if key in present:
             continue
@@ -121,7 +121,7 @@ def _reads(rd: Reader, name: str, present: set[str]) -> Iterator[tuple[str, Box]
     """(shard key, piece) of reads that cover every stored shard of ``name`` once."""
     a = rd.meta.arrays[name]
     for cell in grid_cells(a.shape, a.shard_shape):
-        key = chunk_key(cell)
+        key = a.chunk_key(cell)
         if key in present:
             for piece in _readplan.read_pieces(a, cell_box(a.shape, a.shard_shape, cell)):
                 yield key, piece
@@ -155,7 +155,7 @@ def verify(rd: Reader, *, progress: Callable[[int, int], None] | None = None) ->
         itemsize = rd.info(name).dtype.itemsize
         v.arrays += 1
         for cell in grid_cells(a.shape, a.shard_shape):
-            if chunk_key(cell) in keys:
+            if a.chunk_key(cell) in keys:
                 box = cell_box(a.shape, a.shard_shape, cell)
                 v.shards += 1
                 v.chunks += chunks_touched(box, a.inner_chunk_shape)  # chunks past the edge are never stored

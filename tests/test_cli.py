@@ -245,23 +245,23 @@ def test_verify_finds_every_damaged_array(capsys, tmp_path, sharded):
     shutil.copytree(sharded[0], path)
     # One flipped byte in a shard of w (inside an inner chunk), one shard of c deleted, one
     # array document removed: three arrays, each named.
-    shard = path / "w" / "c" / "2" / "0"
+    shard = path / "w" / "c.2.0"
     data = bytearray(shard.read_bytes())
     data[10] ^= 0x40
     shard.write_bytes(bytes(data))
-    (path / "c" / "c" / "0" / "3").unlink()
+    (path / "c" / "c.0.3").unlink()
     (path / "v" / "zarr.json").unlink()
     code, out, _ = run(capsys, "verify", path, "--json")
     doc = json.loads(out)
     assert code == 1 and not doc["ok"]
     assert doc["damaged_arrays"] == ["c", "v", "w"]
     found = {(p["array"], p["shard"]): p["text"] for p in doc["problems"]}
-    assert "fails its checksum" in found[("w", "c/2/0")] and "inner chunk {0, 0}" in found[("w", "c/2/0")]
-    assert found[("c", "c/0/3")] == "the shard file is missing"
+    assert "fails its checksum" in found[("w", "c.2.0")] and "inner chunk {0, 0}" in found[("w", "c.2.0")]
+    assert found[("c", "c.0.3")] == "the shard file is missing"
     assert "zarr.json is missing" in found[("v", None)]
     code, out, _ = run(capsys, "verify", path)
     assert code == 1
-    assert "DAMAGED w shard c/2/0: fails its checksum" in out and "DAMAGED c shard c/0/3" in out
+    assert "DAMAGED w shard c.2.0: fails its checksum" in out and "DAMAGED c shard c.0.3" in out
     assert out.splitlines()[-1].startswith(f"{path}: 3 damaged arrays, 3 problems")
 
 

@@ -451,7 +451,7 @@ def test_errors_name_the_array_and_the_fix_before_reading(saved, cpus, tmp_path)
 def test_a_damaged_chunk_raises_an_integrity_error_naming_the_array(saved, cpus, tmp_path):
     path = tmp_path / "damaged"
     shutil.copytree(saved, path)
-    shard = path / "model" / "layers" / "0" / "wo" / "c" / "0" / "0"
+    shard = path / "model" / "layers" / "0" / "wo" / "c.0.0"
     data = bytearray(shard.read_bytes())
     data[10] ^= 0xFF
     shard.write_bytes(bytes(data))

@@ -88,8 +88,8 @@ def test_steps_lists_only_committed_checkpoints(tmp_path):
         # without the marker.
         tmp = root / ".step_00000009.tmp-abc123"
         shutil.copytree(mgr.path(2), tmp)
-        (root / "step_00000010" / "model" / "w" / "c").mkdir(parents=True)
-        (root / "step_00000010" / "model" / "w" / "c" / "0").write_bytes(b"\0" * 64)
+        (root / "step_00000010" / "model" / "w").mkdir(parents=True)
+        (root / "step_00000010" / "model" / "w" / "c.0").write_bytes(b"\0" * 64)
         assert mgr.steps() == [1, 2]
         assert mgr.latest_step() == 2
         assert_state(mgr.load(), 2)

@@ -96,7 +96,7 @@ def test_s3_save_from_2_ranks_reshard_load_on_4_and_partial_read(ranks, s3):
     # The committed prefix holds the marker and no pending object.
     keys = _keys(url)
     assert "zarr.json" in keys and PENDING not in keys
-    assert any(k.startswith("m/w/c/") for k in keys)
+    assert any(k.startswith("m/w/c.") for k in keys)
 
 
 def test_s3_checkpoint_is_plain_zarr_for_tensorstore(s3):
@@ -147,7 +147,7 @@ def test_s3_kill_before_commit_leaves_checkpoint_invisible(s3):
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     keys = _keys(url)
-    assert any(k.startswith("x/c/") for k in keys), keys  # the data really is there...
+    assert any(k.startswith("x/c.") for k in keys), keys  # the data really is there...
     assert "zarr.json" not in keys and PENDING in keys
     with pytest.raises(lc.CheckpointNotFoundError, match="unfinished save"):  # ...but it is no checkpoint
         lc.open(url)

@@ -1,7 +1,10 @@
-"""Write the golden checkpoints of format version 1 under ``tests/golden/v1/`` (run by hand).
+"""Write the golden checkpoints of the current format version under ``tests/golden/v<N>/`` (run by hand).
 
     python tests/golden/make_golden.py            # refuses to replace existing goldens
-    python tests/golden/make_golden.py --force    # only when deliberately re-cutting version 1
+    python tests/golden/make_golden.py --force    # only when deliberately re-cutting this version
+
+Run once per format version, by the layoutckpt that introduced it: ``v1`` was written by
+layoutckpt 0.1 (format version 1), ``v2`` when chunk keys became ``c.0.1``.
 
 The goldens are the compatibility promise of ``docs/format.md``: every later layoutckpt must read
 them. Regenerating them with a newer library would hide a format change, so the tests never run
@@ -118,7 +121,7 @@ def _save_basic_rank(rank: int, init_file: str, path: str) -> None:
             basic_local_state(rank, layout),
             layout,
             step=12,
-            metadata={"run": "golden-v1", "config": {"layers": 2, "tags": ["a", "b"]}},
+            metadata={"run": f"golden-v{lc.FORMAT_VERSION}", "config": {"layers": 2, "tags": ["a", "b"]}},
             inner_chunk_bytes=INNER_CHUNK_BYTES,
         )
     finally:
