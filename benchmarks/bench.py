@@ -260,12 +260,15 @@ class _Rank:
     def clean(self, path: str) -> None:
         """Clear ``path`` for the next write (rank 0), outside any timed region.
 
-        By default the old output is moved aside, not deleted: ext4 passes over the inodes freed
-        in the last minute or more each time it allocates one, so a write right after deleting
-        thousands of files pays for them, the more files it makes the more (a 4-rank layoutckpt
-        save of 2 GB: 25 % slower, see docs/performance.md). A training loop saves minutes
-        apart. ``--delete-between`` deletes each output here instead, right before the next
-        write: the case of saves seconds apart with a retention policy.
+        By default the old output is moved aside and evicted from the page cache, not deleted:
+        ext4 passes over the inodes freed in the last minute or more each time it allocates
+        one, so a write right after deleting thousands of files pays for them, the more files
+        it makes the more (a 4-rank layoutckpt save of 2 GB: 25 % slower, docs/performance.md).
+        A training loop saves minutes apart. The eviction hands the output's pages back as a
+        deletion would, so the next write finds memory in the same state either way (on this
+        virtual machine, writing into pages just freed is several times faster than into
+        pages the page cache has to grow into). ``--delete-between`` deletes each output here
+        instead, right before the next write: saves seconds apart with a retention policy.
         """
         self.barrier()
         if self.rank == 0 and os.path.exists(path):
@@ -273,8 +276,10 @@ class _Rank:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.makedirs(self.retired, exist_ok=True)
-                os.rename(path, os.path.join(self.retired, str(len(os.listdir(self.retired)))))
-            os.sync()  # flush the deletion (or the writes left dirty) now, not in the next write
+                aside = os.path.join(self.retired, str(len(os.listdir(self.retired))))
+                os.rename(path, aside)
+                evict(aside)
+            os.sync()  # flush the deletion now, not in the next write
         self.barrier()
 
     def purge(self) -> None:
