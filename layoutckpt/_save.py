@@ -10,11 +10,11 @@ tensors.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -325,6 +325,12 @@ def _start(
     if cached is None or hi[-2] != lo[-2]:
         # 2. Not every rank holds a plan made by one earlier save of this same state: plan.
         cached = _plan_globally(comm, what, token)
+    # The tree lives as long as the save. The last save's, where equal, is already old to the
+    # garbage collector; a new one (two containers per node) would be promoted with every save.
+    if cached.tree == structure:
+        structure = cached.tree
+    else:
+        cached = attrs.evolve(cached, tree=structure)
     _remember(key, cached)
     metas = dict(cached.metas)
 
@@ -408,12 +414,13 @@ class _Planned:
     metas: dict[str, ArrayMeta]
     regular: list[tuple[int, _plan.Box]]  # (index into the arrays, box) this rank writes
     flat_shards: list[list[tuple[int, ...]]]
+    tree: Any = None  # the tree of the last save that used the plan
 
 
 # The plans of the last few states this process saved, by everything they depend on that this
 # rank knows alone. A training loop saves one state again and again: its global shapes, array
 # documents and write assignment are planned once, and later saves run one collective, not four.
-_PLANS: dict[Any, _Planned] = {}
+_PLANS: collections.OrderedDict[Any, _Planned] = collections.OrderedDict()
 _PLANS_KEPT = 4
 
 
@@ -439,11 +446,16 @@ class _ToPlan:
 
 
 def _remember(key: Any, planned: _Planned) -> None:
-    """Keep ``planned`` as the newest plan; the oldest of more than ``_PLANS_KEPT`` goes."""
-    _PLANS.pop(key, None)
+    """Keep ``planned`` as the newest plan; the oldest of more than ``_PLANS_KEPT`` goes.
+
+    A key already stored stays the stored one: the new, equal key (a tuple per array) then dies
+    young instead of joining the garbage collector's oldest generation (``_shardfile.Writers``).
+    """
+    if key in _PLANS:
+        _PLANS.move_to_end(key)
     _PLANS[key] = planned
     while len(_PLANS) > _PLANS_KEPT:
-        del _PLANS[next(iter(_PLANS))]
+        _PLANS.popitem(last=False)
 
 
 def _plan_globally(comm: Comm, what: _ToPlan, token: int) -> _Planned:
@@ -646,10 +658,9 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     closed); other boxes, and every box on an object store, go through TensorStore.
     """
     pending = []
-    direct = []
     written = 0
     local = job.tmp if isinstance(job.tmp, LocalDir) else None
-    threads = ThreadPoolExecutor(_shardfile.THREADS, thread_name_prefix="layoutckpt-write") if local else None
+    writers = _shardfile.Writers("layoutckpt-write") if local else None
     try:
         ctx = _store.context(job.concurrency)
         opened: dict[str, Any] = {}
@@ -657,8 +668,8 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
             meta = job.metas[name]
             cell = _plan.shard_cell(box, meta.shape, meta.shard_shape) if local is not None else None
             if cell is not None:
-                assert threads is not None and local is not None
-                direct.append(threads.submit(_write_shard_file, job, local, meta, cell, item))
+                assert writers is not None and local is not None
+                writers.submit(_write_shard_file, job, local, meta, cell, item)
                 continue
             if name not in opened:
                 opened[name] = _store.open_array(ctx, job.tmp, meta)
@@ -680,7 +691,8 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
             job.tmp.write(_rankstate.file_name(rank), job.rank_doc)
         for w in pending:
             w.result()
-        written += sum(f.result() for f in direct)
+        if writers is not None:
+            written += writers.join()
         # Durable before this rank reports success: the marker may follow at once.
         job.tmp.make_durable()
     finally:
@@ -691,9 +703,9 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
                 pass
         for item in items:
             item.fail(SaveError("the save stopped before this shard was written"))
-        if threads is not None:
+        if writers is not None:
             # Unstarted shards are dropped; a thread may still be writing from a staged buffer.
-            threads.shutdown(wait=True, cancel_futures=True)
+            writers.close()
         for item in items:
             item.release()
     return written

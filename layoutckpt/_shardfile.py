@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -46,14 +47,22 @@ def grid_cells(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[int
 
 def inner_boxes(
     shape: Sequence[int], shard_shape: Sequence[int], inner_shape: Sequence[int], cell: Sequence[int]
-) -> list[Box | None]:
+) -> Iterator[Box | None]:
     """For each inner chunk of shard ``cell``, in C order, the box of the array it covers (clipped
-    at the array's edge), or None where it lies wholly outside the array."""
+    at the array's edge), or None where it lies wholly outside the array; ``inner_count`` of them.
+
+    Made one at a time: a list of a shard's thousands of boxes, held while the shard is written,
+    would count towards the garbage collector's next collections (``Writers``)."""
     per_dim = []
     for n, s, c, i in zip(shape, shard_shape, inner_shape, cell):
         starts = range(i * s, (i + 1) * s, c)
         per_dim.append([(start, min(start + c, n)) for start in starts])
-    return [box if all(a < b for a, b in box) else None for box in itertools.product(*per_dim)]
+    return (box if all(a < b for a, b in box) else None for box in itertools.product(*per_dim))
+
+
+def inner_count(shard_shape: Sequence[int], inner_shape: Sequence[int]) -> int:
+    """The number of inner chunks of a shard, those past the array's edge included."""
+    return math.prod(-(-s // c) for s, c in zip(shard_shape, inner_shape))
 
 
 def _codec(compression: str | None, itemsize: int) -> Any:
@@ -92,7 +101,7 @@ def write_shard(
     codec = _codec(meta.compression, dtype.itemsize)
     inner = tuple(meta.inner_chunk_shape)
     boxes = inner_boxes(meta.shape, meta.shard_shape, inner, cell)
-    index = np.full((len(boxes), 2), _ABSENT, dtype="<u8")
+    index = np.full((inner_count(meta.shard_shape, inner), 2), _ABSENT, dtype="<u8")
     scratch: np.ndarray | None = None  # one gather buffer per shard, not one per chunk
     offset = 0
     from . import _store  # lazily: it imports TensorStore
@@ -143,6 +152,66 @@ def _write_all(fd: int, parts: list[bytes | memoryview | np.ndarray]) -> None:
 # and system calls, all outside the GIL, so about one per core; more only contend for them.
 THREADS = max(2, min(4, os.cpu_count() or 1))
 
+
+class Writers:
+    """``THREADS`` threads that run the calls given to ``submit`` in turn and add up their results.
+
+    Not a ``ThreadPoolExecutor``: its ``Future`` per call is about 15 objects the garbage
+    collector tracks (a ``Condition`` with its lock, bound methods and lists). A save of 406
+    shards kept 6,000 of them alive for the whole save, so every save promoted them to the oldest
+    generation, and a full collection, which walks all of torch's 190,000 objects in 85-120 ms,
+    came every third save. Here a call is one queued tuple. Once a call has raised, the calls
+    not yet started are dropped.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[..., int], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._total = 0
+        self._error: BaseException | None = None
+        self._dropping = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}") for i in range(THREADS)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., int], *args: Any) -> None:
+        self._calls.put((fn, args))
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            if self._dropping:
+                continue
+            fn, args = call
+            try:
+                result = fn(*args)
+            except BaseException as err:  # noqa: BLE001 - handed to join()
+                with self._lock:
+                    self._error = self._error or err
+                    self._dropping = True
+                continue
+            with self._lock:
+                self._total += result
+
+    def join(self) -> int:
+        """Wait for every call; the sum of their results, or the first error one raised."""
+        self._stop()
+        if self._error is not None:
+            raise self._error
+        return self._total
+
+    def close(self) -> None:
+        """Drop the calls not yet started and wait for those running; ``join`` reports errors."""
+        self._dropping = True
+        self._stop()
+
+    def _stop(self) -> None:
+        for _ in self._threads:
+            self._calls.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = []
+
+
 _read_lock = threading.Lock()
 _bytes_read = 0
 
@@ -186,7 +255,7 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
     try:
         cells = itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, meta.shard_shape)))
         for cell in cells:
-            boxes = inner_boxes(meta.shape, meta.shard_shape, inner, cell)
+            boxes = list(inner_boxes(meta.shape, meta.shard_shape, inner, cell))
             key = meta.chunk_key(cell)
             try:
                 fd = os.open(root / meta.path / key, os.O_RDONLY)
