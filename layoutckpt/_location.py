@@ -23,7 +23,6 @@ TensorStore kvstore JSON spec as a dict, for anything else those drivers accept.
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import functools
 import os
@@ -36,6 +35,7 @@ import tensorstore as ts
 
 from . import _store
 from ._errors import CheckpointExistsError, CheckpointNotFoundError
+from ._workers import Workers
 
 MARKER = "zarr.json"
 PENDING = ".layoutckpt-pending"
@@ -124,9 +124,14 @@ class LocalDir:
 
     def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
         # Creating a file costs milliseconds of metadata latency, so many are created at once.
-        with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="layoutckpt-docs") as pool:
-            for f in [pool.submit(self.write, key, data) for key, data in items]:
-                f.result()
+        items = list(items)
+        workers = Workers("layoutckpt-docs", max(1, min(16, len(items))))
+        try:
+            for key, data in items:
+                workers.submit(self.write, key, data)
+            workers.join()
+        finally:
+            workers.close()
 
     def exists(self) -> bool:
         return self.root.exists()

@@ -37,6 +37,7 @@ from ._tensors import tensor_zarr_dtype
 from ._torch import is_tensor
 from ._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, retarget
 from ._version import __version__
+from ._workers import Workers
 
 DEFAULT_INNER_CHUNK_BYTES = 2 << 20
 
@@ -449,7 +450,7 @@ def _remember(key: Any, planned: _Planned) -> None:
     """Keep ``planned`` as the newest plan; the oldest of more than ``_PLANS_KEPT`` goes.
 
     A key already stored stays the stored one: the new, equal key (a tuple per array) then dies
-    young instead of joining the garbage collector's oldest generation (``_shardfile.Writers``).
+    young instead of joining the garbage collector's oldest generation (``_workers.Workers``).
     """
     if key in _PLANS:
         _PLANS.move_to_end(key)
@@ -660,7 +661,7 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     pending = []
     written = 0
     local = job.tmp if isinstance(job.tmp, LocalDir) else None
-    writers = _shardfile.Writers("layoutckpt-write") if local else None
+    writers = Workers("layoutckpt-write", _shardfile.THREADS) if local else None
     try:
         ctx = _store.context(job.concurrency)
         opened: dict[str, Any] = {}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -52,7 +51,7 @@ def inner_boxes(
     at the array's edge), or None where it lies wholly outside the array; ``inner_count`` of them.
 
     Made one at a time: a list of a shard's thousands of boxes, held while the shard is written,
-    would count towards the garbage collector's next collections (``Writers``)."""
+    would count towards the garbage collector's next collections (``_workers.Workers``)."""
     per_dim = []
     for n, s, c, i in zip(shape, shard_shape, inner_shape, cell):
         starts = range(i * s, (i + 1) * s, c)
@@ -151,65 +150,6 @@ def _write_all(fd: int, parts: list[bytes | memoryview | np.ndarray]) -> None:
 # Threads that read or write shard files for one save or load: the work is copies, checksums
 # and system calls, all outside the GIL, so about one per core; more only contend for them.
 THREADS = max(2, min(4, os.cpu_count() or 1))
-
-
-class Writers:
-    """``THREADS`` threads that run the calls given to ``submit`` in turn and add up their results.
-
-    Not a ``ThreadPoolExecutor``: its ``Future`` per call is about 15 objects the garbage
-    collector tracks (a ``Condition`` with its lock, bound methods and lists). A save of 406
-    shards kept 6,000 of them alive for the whole save, so every save promoted them to the oldest
-    generation, and a full collection, which walks all of torch's 190,000 objects in 85-120 ms,
-    came every third save. Here a call is one queued tuple. Once a call has raised, the calls
-    not yet started are dropped.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[..., int], tuple[Any, ...]] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._total = 0
-        self._error: BaseException | None = None
-        self._dropping = False
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}") for i in range(THREADS)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable[..., int], *args: Any) -> None:
-        self._calls.put((fn, args))
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            if self._dropping:
-                continue
-            fn, args = call
-            try:
-                result = fn(*args)
-            except BaseException as err:  # noqa: BLE001 - handed to join()
-                with self._lock:
-                    self._error = self._error or err
-                    self._dropping = True
-                continue
-            with self._lock:
-                self._total += result
-
-    def join(self) -> int:
-        """Wait for every call; the sum of their results, or the first error one raised."""
-        self._stop()
-        if self._error is not None:
-            raise self._error
-        return self._total
-
-    def close(self) -> None:
-        """Drop the calls not yet started and wait for those running; ``join`` reports errors."""
-        self._dropping = True
-        self._stop()
-
-    def _stop(self) -> None:
-        for _ in self._threads:
-            self._calls.put(None)
-        for t in self._threads:
-            t.join()
-        self._threads = []
 
 
 _read_lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""``_shardfile.Writers``: the threads a save writes its shard files on.
+"""``_workers.Workers``: the threads a save writes its shard files (and documents) on.
 
 A save relies on three things: every call runs and their results add up; the first error is the
 one ``join`` raises, and once a call has failed the calls not yet started never run (a failed save
@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from layoutckpt import _shardfile
+from layoutckpt._workers import Workers
+
+THREADS = 2
 
 
 def test_every_call_runs_and_the_results_add_up():
@@ -24,7 +26,7 @@ def test_every_call_runs_and_the_results_add_up():
             seen.append(n)
         return n
 
-    writers = _shardfile.Writers("test-write")
+    writers = Workers("test-write", THREADS)
     for n in range(200):
         writers.submit(call, n)
     assert writers.join() == sum(range(200))
@@ -51,9 +53,9 @@ def test_after_a_failure_the_calls_not_started_are_dropped():
         ran.append("later")
         return 1
 
-    writers = _shardfile.Writers("test-write")
+    writers = Workers("test-write", THREADS)
     # Every thread but one is held, so the failing call runs before any later one is taken.
-    holds = [threading.Event() for _ in range(_shardfile.THREADS - 1)]
+    holds = [threading.Event() for _ in range(THREADS - 1)]
     for hold in holds:
         writers.submit(lambda hold=hold: (hold.wait(10), 0)[1])
     writers.submit(blocker)
@@ -82,7 +84,7 @@ def test_close_drops_what_is_queued_and_never_raises():
             raise ValueError("first call fails")
         return n
 
-    writers = _shardfile.Writers("test-write")
+    writers = Workers("test-write", THREADS)
     for n in range(100):
         writers.submit(call, n)
     closer = threading.Thread(target=writers.close)
@@ -92,7 +94,7 @@ def test_close_drops_what_is_queued_and_never_raises():
     closer.join(10)
     assert not closer.is_alive()
     # Only the calls already running when close() came may have finished.
-    assert len(ran) <= _shardfile.THREADS
+    assert len(ran) <= THREADS
     if 0 in ran:
         with pytest.raises(ValueError, match="first call fails"):
             writers.join()
