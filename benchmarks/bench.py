@@ -198,6 +198,7 @@ class _Rank:
         self.torch, self.dist, self.lc = torch, dist, lc
         self.work = opts["workdir"]
         self.retired = os.path.join(self.work, "retired")
+        self.n_retired = 0
         self.dims = opts["dims"]
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
@@ -276,7 +277,8 @@ class _Rank:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.makedirs(self.retired, exist_ok=True)
-                aside = os.path.join(self.retired, str(len(os.listdir(self.retired))))
+                aside = os.path.join(self.retired, str(self.n_retired))
+                self.n_retired += 1
                 os.rename(path, aside)
                 evict(aside)
             os.sync()  # flush the deletion now, not in the next write

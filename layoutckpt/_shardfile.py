@@ -151,7 +151,6 @@ def _write_all(fd: int, parts: list[bytes | memoryview | np.ndarray]) -> None:
 # and system calls, all outside the GIL, so about one per core; more only contend for them.
 THREADS = max(2, min(4, os.cpu_count() or 1))
 
-
 _read_lock = threading.Lock()
 _bytes_read = 0
 

@@ -141,10 +141,6 @@ class Staged:
         self._error: BaseException | None = None
         self._ready = False  # staged, or given up on; guarded by _ITEMS
 
-    @property
-    def ready(self) -> bool:
-        return self._ready
-
     def _set_ready(self) -> None:
         """With ``_ITEMS`` held."""
         self._ready = True
@@ -293,7 +289,7 @@ class _Pools:
 
 
 def _copy_batch(items: list[Staged], budget: int | None, stream: Any) -> None:
-    todo = [s for s in items if not s.ready]  # the writer may have given up on some
+    todo = [s for s in items if not s._ready]  # the writer may have given up on some
     pools = _Pools(budget)
     pairs = [p for p in (s._take(pools) for s in todo) if p is not None]
     event = None
