@@ -1,6 +1,6 @@
 """layoutckpt against its peers and the physical limits, side by side, in one run.
 
-    .venv/bin/python benchmarks/bench.py [--gb 2.0] [--ranks 1,2,4] [--repeats 3] [--dir DIR]
+    .venv/bin/python benchmarks/bench.py [--gb 2.0] [--ranks 1,2,4] [--repeats 3] [--warmup 1] [--dir DIR]
                                          [--json out.json] [--plot out.png] [--quick] [--only ...]
 
 For each world size N in ``--ranks``, N local gloo ranks (spawned processes) hold a training-like
@@ -14,7 +14,7 @@ fsync, a raw read, and a memory copy of the local state.
 
 Every operation runs on all ranks at once after a barrier (rank-0-only rows on rank 0 alone); the
 time of a repeat is the slowest rank's, and each row shows the median over ``--repeats`` and the
-min-max spread. Reads run cold (the files evicted from the page cache first) and then warm.
+min-max spread; ``--warmup`` untimed rounds of the writes come first. Reads run cold (the files evicted from the page cache first) and then warm.
 ``docs/performance.md`` says what every row and column means.
 """
 
@@ -535,9 +535,16 @@ class _Rank:
         writes = self.write_ops()
         load0 = os.getloadavg()
         # Repeats are interleaved (every operation once, then again) so that drift in the disk
-        # or the page cache hits every row alike. The last repeat's files are kept for the reads.
-        for _ in range(repeats):
-            for key in (k for k in WRITES if k in chosen):
+        # or the page cache hits every row alike, and every other one runs in reverse order: on
+        # a virtual machine that hands freed memory back to its host, a write grows the page
+        # cache into memory that costs more or less depending on what ran just before it. The
+        # warm-up rounds come first and are not kept: a process's first save pays once for
+        # imports, thread pools and memory touched for the first time, as a training job does.
+        # The last repeat's files are kept for the reads.
+        order = [k for k in WRITES if k in chosen]
+        warmup = self.opts["warmup"]
+        for rep in range(warmup + repeats):
+            for key in order if rep % 2 == 0 else order[::-1]:
                 fn, folder = writes[key]
                 rank0 = MEASUREMENTS[key].get("rank0", False)
                 if folder:
@@ -547,7 +554,9 @@ class _Rank:
                     self.barrier()
                 if key in ("memcpy", "orbax_save"):
                     fn = fn()  # allocate and fill the source or destination, untimed
-                per.setdefault(key, []).append(self.measure(fn, rank0=rank0))
+                rec = self.measure(fn, rank0=rank0)
+                if rep >= warmup:
+                    per.setdefault(key, []).append(rec)
                 # Other folders are removed by the clean() before their next write; the async
                 # ones go at once, as the reads do not use them.
                 if folder in ("lc_async", "dcp_async"):
@@ -841,7 +850,34 @@ def machine_info(directory: str) -> dict[str, Any]:
         "mem_total_gb": mem.get("MemTotal", 0) / GB,
         "filesystem": filesystem_of(directory),
         "python": sys.version.split()[0],
+        "free_page_reporting": free_page_reporting(),
     }
+
+
+def free_page_reporting() -> bool | None:
+    """Whether this (virtual) machine hands freed memory back to its host (Linux page
+    reporting, through virtio-balloon): memory touched again after that faults on the host,
+    so a write into a page cache that grows into it slows down by an amount no run controls.
+    None where the kernel does not say."""
+    try:
+        with open("/sys/module/page_reporting/parameters/page_reporting_order") as f:
+            f.read()
+    except OSError:
+        return None
+    features = "/sys/bus/virtio/drivers/virtio_balloon"
+    try:
+        devices = [d for d in os.listdir(features) if d.startswith("virtio")]
+    except OSError:
+        return False
+    for dev in devices:
+        try:
+            with open(os.path.join(features, dev, "features")) as f:
+                bits = f.read().strip()
+        except OSError:
+            continue
+        if len(bits) > 5 and bits[5] == "1":  # VIRTIO_BALLOON_F_REPORTING
+            return True
+    return False
 
 
 def plot(path: str, results: dict[str, Any]) -> None:
@@ -878,6 +914,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gb", type=float, default=2.0, help="total state size over all ranks, GB (default 2.0)")
     parser.add_argument("--ranks", default="1,2,4", help="world sizes to run, comma-separated (default 1,2,4)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of every measurement (default 3)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed rounds of every write before the repeats (default 1)"
+    )
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="a fresh folder is made (and removed) under it")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--plot", help="write a PNG of GB/s by operation and system here (needs matplotlib)")
@@ -922,7 +961,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Outputs moved aside stay on disk until a world size's writes are done: every write of
     # every repeat, about --gb each (safetensors and Orbax less). Without that room, delete.
     state_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in leaves(dims).values())
-    kept_bytes = int(state_bytes * args.repeats * sum(1 for m in measurements if m in WRITES) * 1.1)
+    kept_bytes = int(state_bytes * (args.repeats + args.warmup) * sum(1 for m in measurements if m in WRITES) * 1.1)
     if not args.delete_between and shutil.disk_usage(root).free < kept_bytes:
         args.delete_between = True
         results["options"]["delete_between"] = True
@@ -938,6 +977,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             os.makedirs(workdir)
             opts = {
                 "repeats": args.repeats,
+                "warmup": args.warmup,
                 "dims": dims,
                 "workdir": workdir,
                 "init_file": os.path.join(workdir, "init"),
@@ -992,6 +1032,12 @@ def print_notes(results: dict[str, Any], root: str) -> None:
         first, last = loads[0][0][0], loads[-1][1][0]
         busy = " -- busier than the core count: expect noise" if max(first, last) > (m["cores"] or 1) else ""
         print(f"load average (1 min): {first:.2f} at the start, {last:.2f} at the end{busy}")
+    if m.get("free_page_reporting"):
+        print(
+            "memory: this virtual machine hands freed memory back to its host (page reporting): a write "
+            "whose page cache grows into such memory pays the host's page faults, so writes vary from "
+            "repeat to repeat; rows alternate their order between repeats to share it out"
+        )
     ev = results["eviction_check"]
     verdict = "works" if ev["works"] else "DOES NOT WORK: the cold rows are warm"
     resident = ""

@@ -717,12 +717,7 @@ def _write_shard_file(job: _Job, root: LocalDir, meta: ArrayMeta, cell: tuple[in
     try:
         data = item.wait()
         job.in_flight.start(data.nbytes)
-        origin = [c * s for c, s in zip(cell, meta.shard_shape)]
-
-        def read(box: _plan.Box) -> np.ndarray:
-            return data[tuple(slice(a - o, b - o) for (a, b), o in zip(box, origin))]
-
-        _shardfile.write_shard(root.root, meta, cell, data.dtype, read, start_writeback=True)
+        _shardfile.write_shard(root.root, meta, cell, data.dtype, data, start_writeback=True)
         job.in_flight.done(data.nbytes)
         return data.nbytes
     finally:

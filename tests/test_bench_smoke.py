@@ -82,6 +82,9 @@ def test_quick_run_reports_every_row(tmp_path):
                 assert r["bytes_needed"] > 0
         # every same-layout load gave the state back, and both reshards agree
         assert res["digest_checks"] and all(res["digest_checks"].values()), res["digest_checks"]
+        # one timed repeat per write; the default warm-up round before it is not kept
+        assert results["options"]["warmup"] == 1
+        assert all(len(rank["results"]["lc_save"]) == 1 for rank in res["per_rank"])
         names = [t["name"] for t in res["targets"]]
         assert len(names) == 9 and all(t["verdict"] in ("PASS", "MISS") for t in res["targets"]), res["targets"]
 
