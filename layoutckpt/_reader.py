@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from . import _rankstate, _shardfile, _store
+from . import _rankstate, _store
 from ._dtypes import numpy_dtype
 from ._format import ArrayMeta, CheckpointMeta
 from ._location import LocalDir, locate
@@ -209,7 +209,7 @@ class Reader:
             read(box, out)
             return out
         start = box[0][0]
-        with ThreadPoolExecutor(_shardfile.THREADS, thread_name_prefix="layoutckpt-read") as threads:
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="layoutckpt-read") as threads:
             done = [
                 threads.submit(read, piece, out[piece[0][0] - start : piece[0][1] - start])
                 for piece in _row_pieces(box, meta.inner_chunk_shape[0])
@@ -231,6 +231,11 @@ def _row_pieces(box: Box, rows: int) -> list[Box]:
 # Reads of at least this many bytes go in about PIECES concurrent pieces (``Reader.read``).
 PIECEWISE_BYTES = 8 << 20
 PIECES = 8
+# Threads reading those pieces of a local checkpoint, whatever the core count: a piece's thread
+# mostly waits for the disk, and a cold disk serves more requests in flight faster. A cold read
+# of a 65 MB tensor in 4 shards, on 2 cores: 0.059 s with 4 threads, 0.069 s with 2 (the number
+# of shard writers, ``_shardfile.THREADS``), 30 reads of each alternated.
+READ_THREADS = 4
 
 
 def _box_of(store: ts.TensorStore, index: Any) -> tuple[tuple[int, int], ...] | None:
