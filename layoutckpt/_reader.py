@@ -18,7 +18,10 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from . import _rankstate, _store
+# _shardfile is not used here, only imported: the order in which the C extensions load decides
+# the order of their teardown at exit, and without this import gloo ranks aborted now and then
+# as they exited (``_format._parse_helpers``).
+from . import _rankstate, _shardfile, _store  # noqa: F401
 from ._dtypes import numpy_dtype
 from ._format import ArrayMeta, CheckpointMeta
 from ._location import LocalDir, locate
