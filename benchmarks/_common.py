@@ -11,6 +11,7 @@ import ctypes
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import time
@@ -339,22 +340,24 @@ def ext4_journal(fs: dict[str, str]) -> bool | None:
     return any(j.rsplit("-", 1)[0] == device for j in journals)
 
 
-def hollow(path: str) -> int:
-    """Truncate every file under ``path`` to nothing, keeping the files; returns how many.
+def free_output(path: str, *, delete: bool) -> None:
+    """Free the space of a benchmark output: delete it, or (``delete`` False) truncate its files
+    and leave them for the end of the run; then flush that, so no timed write pays for it.
 
-    This frees the data as a deletion would, but no inode: on ext4 without a journal (``ext4_journal``
+    Truncating frees the data as a deletion would, but no inode: on ext4 without a journal (``ext4_journal``
     False) a new inode is not taken from those freed in the last minute, or the last six while their
     inode table block is dirty, which every new file in the same block group makes it (fs/ext4/ialloc.c,
     ``recently_deleted``), and finding that out costs a buffer-cache lookup for each freed inode the
     allocator passes. Writes that follow the deletion of thousands of files would pay for them, the
     writer of most files most (docs/performance.md, "Deleting right before saving").
     """
-    count = 0
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            os.truncate(os.path.join(dirpath, name), 0)
-            count += 1
-    return count
+    if delete:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        for dirpath, _, names in os.walk(path):
+            for name in names:
+                os.truncate(os.path.join(dirpath, name), 0)
+    os.sync()
 
 
 def dd(path: str, nbytes: int) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from _common import (
     ext4_journal,
     files_under,
     filesystem_of,
-    hollow,
+    free_output,
     leaves,
     local_shape,
     meminfo,
@@ -289,18 +289,15 @@ class _Rank:
     def purge(self) -> None:
         """Free every output moved aside (rank 0), after the writes and before the reads.
 
-        Their files are truncated, not deleted (``hollow``): the next world size's writes would
-        otherwise follow the deletion of tens of thousands of files, which on ext4 without a journal
-        makes every file created in the next minutes pay for them. ``main`` deletes it all at the
-        end of the run. With ``--delete-between`` every output is deleted, as that mode measures.
+        Their files are truncated, not deleted (``free_output``): the next world size's writes
+        would otherwise follow the deletion of tens of thousands of files, which on ext4 without a
+        journal makes every file created in the next minutes pay for them. ``main`` deletes it all
+        at the end of the run. With ``--delete-between`` every output is deleted, as that mode
+        measures.
         """
         self.barrier()
         if self.rank == 0:
-            if self.opts["delete_between"]:
-                shutil.rmtree(self.retired, ignore_errors=True)
-            else:
-                hollow(self.retired)
-            os.sync()
+            free_output(self.retired, delete=self.opts["delete_between"])
         self.barrier()
 
     def evict(self, name: str) -> None:
@@ -1002,11 +999,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mp.spawn(_rank_main, args=(world, opts), nprocs=world, join=True)
             with open(os.path.join(workdir, "results.json")) as f:
                 per_rank = json.load(f)
-            if args.delete_between:
-                shutil.rmtree(workdir, ignore_errors=True)
-            else:  # deleted with the rest at the end of the run (``_Rank.purge``)
-                hollow(workdir)
-            os.sync()
+            free_output(workdir, delete=args.delete_between)  # see _Rank.purge
             summary = summarize(per_rank, opts)
             info = {
                 "dims": dims,
