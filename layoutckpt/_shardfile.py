@@ -181,7 +181,7 @@ def _write_blocks(fd: int, data: np.ndarray, inner: tuple[int, ...]) -> np.ndarr
 
     Chunks that are contiguous in ``data`` are written from its memory. The others are
     gathered along the last dimension of the chunk grid, up to ``GROUP_BYTES`` at a time, by one
-    NumPy copy of a view that puts each chunk's elements together."""
+    NumPy copy from a view that puts each chunk's elements together."""
     itemsize = data.dtype.itemsize
     chunk_bytes = itemsize * math.prod(inner)
     grid = [s // c for s, c in zip(data.shape, inner)]
@@ -196,39 +196,36 @@ def _write_blocks(fd: int, data: np.ndarray, inner: tuple[int, ...]) -> np.ndarr
         flat = data.reshape(-1).view(np.uint8)
         per = max(1, min(_MAX_GROUP, (4 * GROUP_BYTES) // max(chunk_bytes, 1)))
         for first in range(0, count, per):
-            chunks = [flat[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(first, min(first + per, count))]
-            _write_group(fd, chunks)
+            _write_group(fd, flat, first * chunk_bytes, min(per, count - first), chunk_bytes)
         return index
     per = max(1, min(grid[-1], _MAX_GROUP, GROUP_BYTES // chunk_bytes))
+    # (g0*c0, ..., gk*ck) -> (g0, ..., gk, c0, ..., ck): one view in which chunk (i0, ..., ik) is
+    # blocks[i0, ..., ik], so a group is one slice of it and one copy.
+    rank = len(inner)
+    split = data.reshape([n for g, c in zip(grid, inner) for n in (g, c)])
+    blocks = split.transpose([*range(0, 2 * rank, 2), *range(1, 2 * rank, 2)])
     scratch = _take_scratch(per * chunk_bytes)
     try:
-        lead = [
-            tuple(slice(g * c, (g + 1) * c) for g, c in zip(at, inner[:-1]))
-            for at in itertools.product(*(range(g) for g in grid[:-1]))
-        ]
-        last = inner[-1]
-        for at in lead:
+        dst_all = scratch[: per * chunk_bytes].view(data.dtype).reshape(per, *inner)
+        for at in itertools.product(*(range(g) for g in grid[:-1])):
+            row = blocks[at]
             for first in range(0, grid[-1], per):
                 n = min(per, grid[-1] - first)
-                part = data[(*at, slice(first * last, (first + n) * last))]
-                # (..., n * last) -> (..., n, last) -> (n, ..., last): chunk j's elements in a row
-                blocks = np.moveaxis(part.reshape(*part.shape[:-1], n, last), -2, 0)
-                dst = scratch[: n * chunk_bytes].view(data.dtype).reshape(n, *inner)
-                np.copyto(dst, blocks)
-                flat = scratch[: n * chunk_bytes]
-                _write_group(fd, [flat[j * chunk_bytes : (j + 1) * chunk_bytes] for j in range(n)])
+                np.copyto(dst_all[:n], row[first : first + n])
+                _write_group(fd, scratch, 0, n, chunk_bytes)
     finally:
         _give_scratch(scratch)
     return index
 
 
-def _write_group(fd: int, chunks: list[np.ndarray]) -> None:
-    """One ``writev`` of ``chunks`` (byte arrays), each followed by its crc32c."""
+def _write_group(fd: int, buffer: np.ndarray, start: int, n: int, chunk_bytes: int) -> None:
+    """One ``writev`` of the ``n`` chunks of ``chunk_bytes`` from byte ``start`` of ``buffer``
+    (a byte array), each followed by its crc32c."""
     parts: list[Any] = []
-    for chunk in chunks:
-        parts.append(chunk)
-        parts.append(crc32c.crc32c(chunk).to_bytes(4, "little"))
-    _write_all(fd, parts)
+    for at in range(start, start + n * chunk_bytes, chunk_bytes):
+        chunk = buffer[at : at + chunk_bytes]
+        parts += (chunk, crc32c.crc32c(chunk).to_bytes(4, "little"))
+    _write_all(fd, parts, n * (chunk_bytes + 4))
 
 
 def _take_scratch(nbytes: int) -> np.ndarray:
@@ -247,16 +244,21 @@ def _give_scratch(buffer: np.ndarray) -> None:
             _scratch.append(buffer)
 
 
-def _write_all(fd: int, parts: list[bytes | memoryview | np.ndarray]) -> None:
-    """``writev`` until every byte of ``parts`` is written (a regular file may take fewer)."""
+def _write_all(fd: int, parts: list[Any], total: int | None = None) -> None:
+    """``writev`` until every byte of ``parts`` (byte buffers) is written: a regular file may
+    take fewer. ``total``, their byte count where the caller knows it, spares the common case
+    of one complete ``writev`` any work per part."""
+    done = os.writev(fd, parts)
+    if done == total:
+        return
     views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        done = os.writev(fd, views)
+    while True:
         while views and done >= len(views[0]):
-            done -= len(views[0])
-            views.pop(0)
-        if views and done:
-            views[0] = views[0][done:]
+            done -= len(views.pop(0))
+        if not views:
+            return
+        views[0] = views[0][done:]
+        done = os.writev(fd, views)
 
 
 # Threads that read or write shard files for one save or load: the work is copies, checksums
@@ -281,88 +283,122 @@ class Damaged(Exception):
         self.missing = missing
 
 
+# Inner chunks that lie next to each other in a shard file, all wanted, are fetched by one
+# ``preadv`` of up to this many bytes, then checked and copied out one by one: an eighth of the
+# system calls for the 32 KiB chunks of a model's small shards, in a buffer that stays in the
+# core's L2 cache. Longer runs read a cold file slower, the kernel's readahead no longer running
+# ahead of the checks: a cold 65 MB tensor of 256 KiB chunks took 0.058-0.059 s in runs of
+# 256 KiB, 0.062-0.064 s in runs of 1 MiB and 0.075 s in runs of 4 MiB (30 reads of each,
+# alternated).
+READ_RUN_BYTES = 256 << 10
+
+
 def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chunks_stored: bool = True) -> int:
     """Fill ``out`` with ``box`` of the array ``meta`` stored under the local directory ``root``,
     reading only the shard indexes and inner chunks the box touches. Returns the bytes read.
 
-    Each chunk is read into one reused buffer, its crc32c checked, and its part of the box
-    copied out: one copy fewer than TensorStore's read path, which decodes every chunk into a
-    fresh array, and half the CPU time of a whole load. A missing file or chunk, a failed
-    checksum or an index that points outside its file raise ``Damaged``; where the checkpoint
-    predates ``all_chunks_stored``, missing chunks read as zeros (the fill value).
+    Runs of adjacent chunks are read into one reused buffer, each chunk's crc32c checked and
+    its part of the box copied out: one copy fewer than TensorStore's read path, which decodes
+    every chunk into a fresh array, and half the CPU time of a whole load. A missing file or
+    chunk, a failed checksum or an index that points outside its file raise ``Damaged``; where
+    the checkpoint predates ``all_chunks_stored``, missing chunks read as zeros (the fill value).
     """
     global _bytes_read
     inner = tuple(meta.inner_chunk_shape)
+    shard = tuple(meta.shard_shape)
     chunk_bytes = out.dtype.itemsize * math.prod(inner)
     codec = _codec(meta.compression, out.dtype.itemsize)
-    buffer: np.ndarray | None = None
+    # Where inner chunk ``at`` of a shard sits in its index: C order over the shard's inner grid.
+    grid = [-(-s // c) for s, c in zip(shard, inner)]
+    steps = [math.prod(grid[d + 1 :]) for d in range(len(grid))]
+    table_bytes = 16 * math.prod(grid) + 4
+    buffer = np.empty(0, np.uint8)
     nread = 0
-    origin = [a for a, _ in box]
 
-    def place(part: Box, chunk: np.ndarray | None, chunk_origin: Sequence[int]) -> None:
-        dst = tuple(slice(a - o, b - o) for (a, b), o in zip(part, origin))
-        out[dst] = 0 if chunk is None else chunk[tuple(slice(a - o, b - o) for (a, b), o in zip(part, chunk_origin))]
+    def place(origin: Sequence[int], at: Sequence[int], chunk: np.ndarray | None) -> None:
+        dst, src = [], []
+        for (a, b), o, i, c, n in zip(box, origin, at, inner, meta.shape):
+            start = o + i * c
+            lo, hi = max(start, a), min(start + c, n, b)
+            dst.append(slice(lo - a, hi - a))
+            src.append(slice(lo - start, hi - start))
+        out[tuple(dst)] = 0 if chunk is None else chunk.reshape(inner)[tuple(src)]
+
+    def fetch(fd: int, key: str, origin: Sequence[int], run: list[tuple[int, tuple[int, ...], int, int]]) -> int:
+        """Read the chunks ``run`` ([index position, inner cell, offset, bytes]), adjacent in
+        the file, with one call; check each and copy it out."""
+        nonlocal buffer
+        first, _, offset, _ = run[0]
+        total = sum(nbytes for *_, nbytes in run)
+        if len(buffer) < total:
+            # Room for a whole run, but not 256 KiB for a small array's one chunk of a few bytes.
+            buffer = np.empty(max(total, min(READ_RUN_BYTES, 16 * (chunk_bytes + 4))), np.uint8)
+        if os.preadv(fd, [buffer[:total]], offset) != total:
+            raise Damaged(False, f"inner chunk {first} of shard {key} is cut short")
+        pos = 0
+        for i, at, _, nbytes in run:
+            view = buffer[pos : pos + nbytes]
+            pos += nbytes
+            payload = view[:-4]
+            if crc32c.crc32c(payload) != int.from_bytes(view[-4:], "little"):
+                raise Damaged(False, f"inner chunk {i} of shard {key} fails its crc32c")
+            raw = payload if codec is None else np.frombuffer(codec.decode(payload), np.uint8)
+            if len(raw) != chunk_bytes:
+                raise Damaged(False, f"inner chunk {i} of shard {key} decodes to {len(raw)} bytes, not {chunk_bytes}")
+            place(origin, at, raw.view(out.dtype))
+        return total
 
     try:
-        cells = itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, meta.shard_shape)))
-        for cell in cells:
-            boxes = list(inner_boxes(meta.shape, meta.shard_shape, inner, cell))
+        for cell in itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard))):
             key = meta.chunk_key(cell)
+            origin = [c * s for c, s in zip(cell, shard)]
+            # The inner chunks of this shard that the box overlaps, along each dimension.
+            ranges = [
+                range((max(a, o) - o) // c, (min(b, o + s) - 1 - o) // c + 1)
+                for (a, b), o, s, c in zip(box, origin, shard, inner)
+            ]
             try:
                 fd = os.open(root / meta.path / key, os.O_RDONLY)
             except FileNotFoundError:
                 if all_chunks_stored:
                     raise Damaged(True, f"shard {key} does not exist") from None
-                for b in boxes:
-                    part = _intersect(b, box) if b is not None else None
-                    if part is not None:
-                        place(part, None, ())
+                for at in itertools.product(*ranges):
+                    place(origin, at, None)
                 continue
             try:
                 size = os.fstat(fd).st_size
-                table_bytes = 16 * len(boxes) + 4
                 if size < table_bytes:
                     raise Damaged(False, f"shard {key} is {size} bytes, too short for its index")
                 table = os.pread(fd, table_bytes, size - table_bytes)
                 nread += table_bytes
                 if crc32c.crc32c(table[:-4]) != int.from_bytes(table[-4:], "little"):
                     raise Damaged(False, f"the index of shard {key} fails its crc32c")
-                index = np.frombuffer(table, "<u8", count=2 * len(boxes)).reshape(-1, 2)
-                for i, b in enumerate(boxes):
-                    part = _intersect(b, box) if b is not None else None
-                    if part is None:
-                        continue
-                    offset, nbytes = int(index[i, 0]), int(index[i, 1])
+                entries = np.frombuffer(table, "<u8", count=(table_bytes - 4) // 8)
+                offsets, lengths = entries[0::2].tolist(), entries[1::2].tolist()
+                run: list[tuple[int, tuple[int, ...], int, int]] = []
+                run_end = run_bytes = 0
+                for at in itertools.product(*ranges):
+                    i = sum(x * step for x, step in zip(at, steps))
+                    offset, nbytes = offsets[i], lengths[i]
                     if offset == _ABSENT and nbytes == _ABSENT:
                         if all_chunks_stored:
                             raise Damaged(True, f"inner chunk {i} of shard {key} is not stored")
-                        place(part, None, ())
+                        place(origin, at, None)
                         continue
                     if nbytes < 4 or offset + nbytes > size - table_bytes:
                         raise Damaged(False, f"inner chunk {i} of shard {key} lies outside its file")
-                    if buffer is None or len(buffer) < nbytes:
-                        buffer = np.empty(max(nbytes, chunk_bytes + 4), np.uint8)
-                    view = buffer[:nbytes]
-                    if os.preadv(fd, [view], offset) != nbytes:
-                        raise Damaged(False, f"inner chunk {i} of shard {key} is cut short")
-                    nread += nbytes
-                    payload = view[:-4]
-                    if crc32c.crc32c(payload) != int.from_bytes(view[-4:].tobytes(), "little"):
-                        raise Damaged(False, f"inner chunk {i} of shard {key} fails its crc32c")
-                    raw = payload if codec is None else np.frombuffer(codec.decode(payload), np.uint8)
-                    if len(raw) != chunk_bytes:
-                        raise Damaged(
-                            False, f"inner chunk {i} of shard {key} decodes to {len(raw)} bytes, not {chunk_bytes}"
-                        )
-                    place(part, raw.view(out.dtype).reshape(inner), [a for a, _ in b])
+                    if run and (offset != run_end or run_bytes + nbytes > READ_RUN_BYTES):
+                        nread += fetch(fd, key, origin, run)
+                        run = []
+                        run_bytes = 0
+                    run.append((i, at, offset, nbytes))
+                    run_end = offset + nbytes
+                    run_bytes += nbytes
+                if run:
+                    nread += fetch(fd, key, origin, run)
             finally:
                 os.close(fd)
     finally:
         with _read_lock:
             _bytes_read += nread
     return nread
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    part = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return part if all(lo < hi for lo, hi in part) else None

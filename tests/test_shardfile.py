@@ -90,3 +90,25 @@ def test_gather_buffers_are_reused_not_grown(tmp_path):
             _shardfile.write_shard(tmp_path, meta, cell, array.dtype, array[cell[0] * 32 : (cell[0] + 1) * 32])
     assert 1 <= len(_shardfile._scratch) <= 2
     assert all(len(b) == _shardfile.GROUP_BYTES for b in _shardfile._scratch)
+
+
+def test_short_writes_are_resumed_where_they_stopped(tmp_path, monkeypatch):
+    """``writev`` may write fewer bytes than asked (a signal, a full pipe or quota): the writer
+    carries on from the byte it stopped at, mid-chunk or mid-checksum alike."""
+    shape, shard, inner, dtype = CASES[2]
+    meta = _meta(shape, shard, inner, dtype)
+    array = _array(shape, dtype)
+    _shardfile.write_shard(tmp_path / "whole", meta, (0, 1), array.dtype, array[:, 24:])
+    real = _shardfile.os.writev
+    calls = []
+
+    def short(fd, buffers):
+        calls.append(len(buffers))
+        first = memoryview(buffers[0]).cast("B")
+        return real(fd, [first[:7]]) if len(first) > 7 else real(fd, [first])
+
+    monkeypatch.setattr(_shardfile.os, "writev", short)
+    _shardfile.write_shard(tmp_path / "short", meta, (0, 1), array.dtype, array[:, 24:])
+    key = f"a/{meta.chunk_key((0, 1))}"
+    assert len(calls) > (tmp_path / "whole" / key).stat().st_size // 7
+    assert (tmp_path / "short" / key).read_bytes() == (tmp_path / "whole" / key).read_bytes()
