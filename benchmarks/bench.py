@@ -218,6 +218,7 @@ class _Rank:
         self.leaves = leaves(self.dims)
         self.state, self.flat, self.nbytes = build_state(self.dims, world, rank, self.device)
         self.dcp_state = {k: self.dtensor(t, k, RULES, self.dmesh) for k, t in self.flat.items()}
+        self.memcpy_dsts: list[Any] | None = None  # the memcpy's destinations, kept like a staging pool
         self.paths = {
             name: os.path.join(self.work, name)
             for name in ("raw", "lc", "lc_async", "torch", "dcp", "dcp_async", "st", "orbax")
@@ -334,9 +335,16 @@ class _Rank:
     def memcpy(self) -> Any:
         torch = self.torch
         pinned = self.device.type == "cuda"
-        dsts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in self.flat.values()]
-        for d in dsts:
-            d.zero_()  # touched once: the copy is timed into warm pages, as reused staging buffers are
+        if self.memcpy_dsts is None:
+            # Made and touched once (in the warm-up round), then reused by every repeat, as
+            # save_async's staging buffers are. Made afresh and touched right before each copy,
+            # they made the bound faster than any reuse can be on a virtual machine whose host
+            # reclaims guest memory left idle: 2 GB copied into buffers idle for 40 s took
+            # 0.16-0.18 s, into buffers just touched 0.12-0.13 s (docs/performance.md).
+            self.memcpy_dsts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in self.flat.values()]
+            for d in self.memcpy_dsts:
+                d.zero_()
+        dsts = self.memcpy_dsts
 
         def run() -> None:
             for d, t in zip(dsts, self.flat.values()):
@@ -579,7 +587,7 @@ class _Rank:
 
         # The reads: the state, the staging pool and every other big buffer are dropped first,
         # so that peak RSS counts what the load itself holds.
-        self.dcp_state = self.flat = self.state = None
+        self.dcp_state = self.flat = self.state = self.memcpy_dsts = None
         try:
             from layoutckpt import _staging
 
