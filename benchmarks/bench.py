@@ -360,15 +360,18 @@ class _Rank:
                 f.write(memoryview(t.cpu().reshape(-1).view(self.torch.uint8).numpy()))
             os.fsync(f.fileno())
 
-    def lc_save(self) -> None:
-        self.lc.save(self.paths["lc"], self.state, self.layout)
+    def lc_save(self) -> dict[str, Any]:
+        res = self.lc.save(self.paths["lc"], self.state, self.layout)
+        # Each phase's time goes into the JSON (``phase_write`` ...), to tell a slow row's cause.
+        return {"_timings": {f"phase_{n}": t for n, t in res.metrics.phases}}
 
     def lc_async(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         fut = self.lc.save_async(self.paths["lc_async"], self.state, self.layout)
         blocked = time.perf_counter() - t0
         res = fut.result()
-        return {"_timings": {"blocked": blocked, "blocked_seconds": res.blocked_seconds}}
+        phases = {f"phase_{n}": t for n, t in res.metrics.phases}
+        return {"_timings": {"blocked": blocked, "blocked_seconds": res.blocked_seconds, **phases}}
 
     def torch_save(self) -> None:
         with open(os.path.join(self.paths["torch"], f"rank{self.rank}.pt"), "wb") as f:
