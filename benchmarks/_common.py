@@ -210,6 +210,37 @@ def release_memory(full: bool = False) -> None:
         pass
 
 
+class GcClock:
+    """The garbage collector's runs while the block is open (any thread of this process): their
+    count, how many were full (generation 2) and their seconds. Every system of the harness runs
+    in the same processes, so one system's objects lengthen the collections in another's row."""
+
+    def __enter__(self) -> GcClock:
+        import gc
+
+        self.runs = self.full = 0
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.runs += 1
+        self.full += info["generation"] == 2
+        self.seconds += time.perf_counter() - self._start
+
+    def totals(self) -> dict[str, float]:
+        return {"gc_runs": self.runs, "gc_full": self.full, "gc_seconds": self.seconds}
+
+
 def files_under(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]

@@ -37,6 +37,7 @@ from _common import (
     GB,
     RULES,
     SWAPPED_RULES,
+    GcClock,
     build_state,
     check_eviction,
     evict,
@@ -315,9 +316,10 @@ class _Rank:
             return None
         rss0 = reset_peak_rss()
         io0 = proc_io()
-        t0 = time.perf_counter()
-        out = fn()
-        seconds = time.perf_counter() - t0
+        with GcClock() as gc_clock:
+            t0 = time.perf_counter()
+            out = fn()
+            seconds = time.perf_counter() - t0
         io1 = proc_io()
         rec = {
             "seconds": seconds,
@@ -325,6 +327,7 @@ class _Rank:
             "read_bytes": io1["read_bytes"] - io0["read_bytes"],
             "hwm": status_bytes("VmHWM"),
             "rss0": rss0,
+            **gc_clock.totals(),
         }
         if isinstance(out, dict) and "_timings" in out:
             rec.update(out["_timings"])
