@@ -365,16 +365,14 @@ class _Rank:
 
     def lc_save(self) -> dict[str, Any]:
         res = self.lc.save(self.paths["lc"], self.state, self.layout)
-        # Each phase's time goes into the JSON (``phase_write`` ...), to tell a slow row's cause.
-        return {"_timings": {f"phase_{n}": t for n, t in res.metrics.phases}}
+        return {"_timings": _phases(res)}
 
     def lc_async(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         fut = self.lc.save_async(self.paths["lc_async"], self.state, self.layout)
         blocked = time.perf_counter() - t0
         res = fut.result()
-        phases = {f"phase_{n}": t for n, t in res.metrics.phases}
-        return {"_timings": {"blocked": blocked, "blocked_seconds": res.blocked_seconds, **phases}}
+        return {"_timings": {"blocked": blocked, "blocked_seconds": res.blocked_seconds, **_phases(res)}}
 
     def torch_save(self) -> None:
         with open(os.path.join(self.paths["torch"], f"rank{self.rank}.pt"), "wb") as f:
@@ -649,6 +647,11 @@ class _Rank:
         if "lc_reshard" in d and "dcp_reshard" in d:
             out["lc_reshard == dcp_reshard"] = d["lc_reshard"] == d["dcp_reshard"]
         return out
+
+
+def _phases(result: Any) -> dict[str, float]:
+    """A layoutckpt save's phase times for the JSON (``phase_write`` ...), to tell a slow row's cause."""
+    return {f"phase_{name}": seconds for name, seconds in result.metrics.phases}
 
 
 def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> None:
