@@ -376,7 +376,6 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
                 entries = np.frombuffer(table, "<u8", count=(table_bytes - 4) // 8)
                 offsets, lengths = entries[0::2].tolist(), entries[1::2].tolist()
                 run: list[tuple[int, tuple[int, ...], int, int]] = []
-                run_end = 0
                 for at in itertools.product(*ranges):
                     i = sum(x * step for x, step in zip(at, steps))
                     offset, nbytes = offsets[i], lengths[i]
@@ -387,11 +386,10 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
                         continue
                     if nbytes < 4 or offset + nbytes > size - table_bytes:
                         raise Damaged(False, f"inner chunk {i} of shard {key} lies outside its file")
-                    if run and (offset != run_end or offset + nbytes - run[0][2] > READ_RUN_BYTES):
+                    if run and (offset != run[-1][2] + run[-1][3] or offset + nbytes - run[0][2] > READ_RUN_BYTES):
                         nread += fetch(fd, key, origin, run)
                         run = []
                     run.append((i, at, offset, nbytes))
-                    run_end = offset + nbytes
                 if run:
                     nread += fetch(fd, key, origin, run)
             finally:
