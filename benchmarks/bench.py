@@ -272,8 +272,10 @@ class _Rank:
         A training loop saves minutes apart. The eviction hands the output's pages back as a
         deletion would, so the next write finds memory in the same state either way (on this
         virtual machine, writing into pages just freed is several times faster than into
-        pages the page cache has to grow into). ``--delete-between`` deletes each output here
-        instead, right before the next write: saves seconds apart with a retention policy.
+        pages the page cache has to grow into). Where ``--dir`` has no room to keep every
+        output (``truncate_aside``), the files moved aside are truncated at once: their space
+        is freed, their inodes are not. ``--delete-between`` deletes each output here instead,
+        right before the next write: saves seconds apart with a retention policy.
         """
         self.barrier()
         if self.rank == 0 and os.path.exists(path):
@@ -285,6 +287,8 @@ class _Rank:
                 self.n_retired += 1
                 os.rename(path, aside)
                 evict(aside)
+                if self.opts["truncate_aside"]:
+                    free_output(aside, delete=False)
             os.sync()  # flush the deletion now, not in the next write
         self.barrier()
 
@@ -986,15 +990,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "worlds": {},
     }
     # Outputs moved aside stay on disk until a world size's writes are done: every write of
-    # every repeat, about --gb each (safetensors and Orbax less). Without that room, delete.
+    # every repeat, about --gb each (safetensors and Orbax less). Without that room they are
+    # truncated as they are moved aside, never deleted: a run that switched to deleting them
+    # (--delete-between) charged every layoutckpt save for the inodes of the one before
+    # (docs/performance.md, "Deleting right before saving").
     state_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in leaves(dims).values())
     kept_bytes = int(state_bytes * (args.repeats + args.warmup) * sum(1 for m in measurements if m in WRITES) * 1.1)
-    if not args.delete_between and shutil.disk_usage(root).free < kept_bytes:
-        args.delete_between = True
-        results["options"]["delete_between"] = True
+    truncate_aside = not args.delete_between and shutil.disk_usage(root).free < kept_bytes
+    results["options"]["truncate_aside"] = truncate_aside
+    if truncate_aside:
         print(
             f"note: {kept_bytes / 1e9:.0f} GB to keep every output until the writes are done is more than the "
-            f"free space under --dir; each output is deleted before the next write (--delete-between)"
+            f"free space under --dir; each output is truncated as it is moved aside (space freed, inodes kept)"
         )
     t_start = time.perf_counter()
     try:
@@ -1011,6 +1018,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "partial_bytes": partial_bytes,
                 "measurements": measurements,
                 "delete_between": args.delete_between,
+                "truncate_aside": truncate_aside,
             }
             t0 = time.perf_counter()
             mp.spawn(_rank_main, args=(world, opts), nprocs=world, join=True)
@@ -1070,7 +1078,7 @@ def print_notes(results: dict[str, Any], root: str) -> None:
             "each output was deleted right before the next write (--delete-between), so file creation paid for them"
             if results["options"]["delete_between"]
             else "this run deletes nothing until it ends (outputs are truncated instead), but deletions by other "
-            "programs in the minutes before it still count"
+            "programs in the last minute or more before it still count"
         )
         print(
             "inodes: ext4 without a journal passes over the inodes freed in the last 1-6 minutes, one lookup each, "
