@@ -203,13 +203,21 @@ class Reader:
 
     def _read_local(self, name: str, meta: ArrayMeta, box: Box, dtype: np.dtype, nbytes: int) -> np.ndarray:
         """A box of a local checkpoint, read from its shard files (``_shardfile.read_box``)
-        straight into the result; a large box in row pieces, read by a few threads at once (a
-        cold disk serves several requests in flight faster than one)."""
+        straight into the result. A large box inside one shard is read with ``prefetch``: one
+        sequential stream through the file, checked as it arrives (the 65 MB embedding in one
+        shard, cold: 0.032-0.036 s, against 0.047 s in row pieces on 4 threads, which read
+        one file at 4 places at once). A large box over several shards goes in row pieces, read
+        by a few threads at once: there a cold disk serves the files in flight together (one
+        prefetching piece per shard instead took as long cold, and longer warm)."""
         assert isinstance(self._root, LocalDir)
         out = np.empty(tuple(b - a for a, b in box), dtype=dtype)
         read = functools.partial(_store.read_box, self._root.root, meta, name, self.path, self.meta.all_chunks_stored)
         if nbytes < PIECEWISE_BYTES:
             read(box, out)
+            return out
+        if all(a // s == (b - 1) // s for (a, b), s in zip(box, meta.shard_shape)):
+            # One shard file: read front to back by one thread, checked and copied by this one.
+            read(box, out, prefetch=True)
             return out
         start = box[0][0]
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="layoutckpt-read") as threads:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -269,6 +270,52 @@ _read_lock = threading.Lock()
 _bytes_read = 0
 
 
+def _prefetched(
+    fd: int,
+    key: str,
+    runs: list[list[_Chunk]],
+    most: int,
+    check: Callable[[str, Sequence[int], list[_Chunk], np.ndarray], None],
+    origin: Sequence[int],
+) -> int:
+    """``read_box``'s reads of one shard's ``runs`` (each at most ``most`` bytes) on a thread
+    that keeps up to ``PREFETCH_DEPTH`` runs ahead of ``check``, which runs on this one."""
+    free: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
+    done: queue.SimpleQueue[tuple[list[_Chunk], np.ndarray, int] | BaseException] = queue.SimpleQueue()
+    for _ in range(min(PREFETCH_DEPTH, len(runs))):
+        free.put(np.empty(most, np.uint8))
+    stop = threading.Event()
+
+    def read_ahead() -> None:
+        try:
+            for run in runs:
+                buffer = free.get()
+                if buffer is None or stop.is_set():  # the checks failed
+                    return
+                total = sum(c[3] for c in run)
+                if os.preadv(fd, [buffer[:total]], run[0][2]) != total:
+                    raise Damaged(False, f"inner chunk {run[0][0]} of shard {key} is cut short")
+                done.put((run, buffer, total))
+        except BaseException as err:  # noqa: BLE001 - raised on the checking thread
+            done.put(err)
+
+    reader = threading.Thread(target=read_ahead, name="layoutckpt-read-ahead", daemon=True)
+    reader.start()
+    try:
+        for _ in runs:
+            item = done.get()
+            if isinstance(item, BaseException):
+                raise item
+            run, buffer, total = item
+            check(key, origin, run, buffer[:total])
+            free.put(buffer)
+    finally:
+        stop.set()
+        free.put(None)
+        reader.join()  # before the caller closes ``fd``
+    return sum(c[3] for run in runs for c in run)
+
+
 def bytes_read() -> int:
     """Bytes this process has read from shard files through ``read_box`` (index and chunks,
     checksums included): the counterpart of TensorStore's ``/tensorstore/kvstore/file/bytes_read``."""
@@ -293,9 +340,30 @@ class Damaged(Exception):
 READ_RUN_BYTES = 256 << 10
 
 
-def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chunks_stored: bool = True) -> int:
+# An inner chunk to read: its position in the shard index, its cell in the shard's inner grid,
+# and its offset and length in the file.
+_Chunk = tuple[int, tuple[int, ...], int, int]
+
+# Runs read ahead of the checks by ``read_box(prefetch=True)``: enough for the disk never to
+# wait on the checks, few enough to stay in the cores' caches.
+PREFETCH_DEPTH = 4
+
+
+def read_box(
+    root: Path,
+    meta: ArrayMeta,
+    box: Box,
+    out: np.ndarray,
+    *,
+    all_chunks_stored: bool = True,
+    prefetch: bool = False,
+) -> int:
     """Fill ``out`` with ``box`` of the array ``meta`` stored under the local directory ``root``,
     reading only the shard indexes and inner chunks the box touches. Returns the bytes read.
+
+    With ``prefetch`` a thread of its own reads each shard's runs in file order, up to
+    ``PREFETCH_DEPTH`` ahead, while this one checks and copies: one sequential stream per file,
+    which a cold disk serves faster than several threads reading parts of one file at once.
 
     Runs of adjacent chunks are read into one reused buffer, each chunk's crc32c checked and
     its part of the box copied out: one copy fewer than TensorStore's read path, which decodes
@@ -324,20 +392,11 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
             src.append(slice(lo - start, hi - start))
         out[tuple(dst)] = 0 if chunk is None else chunk.reshape(inner)[tuple(src)]
 
-    def fetch(fd: int, key: str, origin: Sequence[int], run: list[tuple[int, tuple[int, ...], int, int]]) -> int:
-        """Read the chunks ``run`` ([index position, inner cell, offset, bytes]), adjacent in
-        the file, with one call; check each and copy it out."""
-        nonlocal buffer
-        first, _, offset, _ = run[0]
-        total = sum(nbytes for *_, nbytes in run)
-        if len(buffer) < total:
-            # Room for a whole run, but not 256 KiB for a small array's one chunk of a few bytes.
-            buffer = np.empty(max(total, min(READ_RUN_BYTES, 16 * (chunk_bytes + 4))), np.uint8)
-        if os.preadv(fd, [buffer[:total]], offset) != total:
-            raise Damaged(False, f"inner chunk {first} of shard {key} is cut short")
+    def check(key: str, origin: Sequence[int], run: list[_Chunk], data: np.ndarray) -> None:
+        """Check each chunk of ``run``, read into ``data``, and copy it out."""
         pos = 0
         for i, at, _, nbytes in run:
-            view = buffer[pos : pos + nbytes]
+            view = data[pos : pos + nbytes]
             pos += nbytes
             payload = view[:-4]
             if crc32c.crc32c(payload) != int.from_bytes(view[-4:], "little"):
@@ -346,7 +405,23 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
             if len(raw) != chunk_bytes:
                 raise Damaged(False, f"inner chunk {i} of shard {key} decodes to {len(raw)} bytes, not {chunk_bytes}")
             place(origin, at, raw.view(out.dtype))
-        return total
+
+    def fetch(fd: int, key: str, origin: Sequence[int], runs: list[list[_Chunk]]) -> int:
+        """Read each run of adjacent chunks of one shard with one call, check its chunks and
+        copy them out; with ``prefetch``, the reads go ahead on a thread of their own."""
+        nonlocal buffer
+        most = max(sum(c[3] for c in run) for run in runs)
+        if prefetch and len(runs) > 1:
+            return _prefetched(fd, key, runs, most, check, origin)
+        if len(buffer) < most:
+            # Room for a whole run, but not 256 KiB for a small array's one chunk of a few bytes.
+            buffer = np.empty(max(most, min(READ_RUN_BYTES, 16 * (chunk_bytes + 4))), np.uint8)
+        for run in runs:
+            total = sum(c[3] for c in run)
+            if os.preadv(fd, [buffer[:total]], run[0][2]) != total:
+                raise Damaged(False, f"inner chunk {run[0][0]} of shard {key} is cut short")
+            check(key, origin, run, buffer[:total])
+        return sum(c[3] for run in runs for c in run)
 
     try:
         for cell in itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard))):
@@ -375,7 +450,7 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
                     raise Damaged(False, f"the index of shard {key} fails its crc32c")
                 entries = np.frombuffer(table, "<u8", count=(table_bytes - 4) // 8)
                 offsets, lengths = entries[0::2].tolist(), entries[1::2].tolist()
-                run: list[tuple[int, tuple[int, ...], int, int]] = []
+                runs: list[list[_Chunk]] = []
                 for at in itertools.product(*ranges):
                     i = sum(x * step for x, step in zip(at, steps))
                     offset, nbytes = offsets[i], lengths[i]
@@ -386,12 +461,12 @@ def read_box(root: Path, meta: ArrayMeta, box: Box, out: np.ndarray, *, all_chun
                         continue
                     if nbytes < 4 or offset + nbytes > size - table_bytes:
                         raise Damaged(False, f"inner chunk {i} of shard {key} lies outside its file")
-                    if run and (offset != run[-1][2] + run[-1][3] or offset + nbytes - run[0][2] > READ_RUN_BYTES):
-                        nread += fetch(fd, key, origin, run)
-                        run = []
-                    run.append((i, at, offset, nbytes))
-                if run:
-                    nread += fetch(fd, key, origin, run)
+                    run = runs[-1] if runs else None
+                    if run is None or offset != run[-1][2] + run[-1][3] or offset + nbytes - run[0][2] > READ_RUN_BYTES:
+                        runs.append([])
+                    runs[-1].append((i, at, offset, nbytes))
+                if runs:
+                    nread += fetch(fd, key, origin, runs)
             finally:
                 os.close(fd)
     finally:

@@ -96,13 +96,23 @@ def read_result(future: Any, name: str, where: str) -> Any:
         raise damaged(name, where, missing=text.startswith("NOT_FOUND"), detail=text) from None
 
 
-def read_box(root: Path, meta: ArrayMeta, name: str, where: str, all_chunks_stored: bool, box: Any, out: Any) -> int:
+def read_box(
+    root: Path,
+    meta: ArrayMeta,
+    name: str,
+    where: str,
+    all_chunks_stored: bool,
+    box: Any,
+    out: Any,
+    *,
+    prefetch: bool = False,
+) -> int:
     """``_shardfile.read_box`` of a local checkpoint, its damage reported as ``IntegrityError``."""
     from ._shardfile import Damaged
     from ._shardfile import read_box as read
 
     try:
-        return read(root, meta, box, out, all_chunks_stored=all_chunks_stored)
+        return read(root, meta, box, out, all_chunks_stored=all_chunks_stored, prefetch=prefetch)
     except Damaged as err:
         raise damaged(name, where, missing=err.missing, detail=str(err)) from None
 

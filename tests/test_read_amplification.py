@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from .counters import bytes_read
 from .oracle import mesh_coords
 
 BOUND = 1.25
+GOLDEN = Path(__file__).resolve().parent / "golden" / "v2" / "basic"
 CRC = 4  # crc32c after every inner chunk and after each shard index
 INDEX_ENTRY = 16  # (offset, length) as two uint64 per inner chunk
 
@@ -117,15 +119,14 @@ def middle_chunks(info: lc.ArrayInfo) -> tuple[tuple[int, int], ...]:
     [None, np.s_[100:2900, 64:2000], np.s_[:, :1024]],
     ids=["whole", "box", "columns"],
 )
-def test_large_reads_go_in_pieces_with_the_same_bytes(tmp_path, index, monkeypatch):
-    """A read of 8 MiB or more is cut into concurrent row pieces on the chunk grid, each read
-    from the shard files straight into its rows of the result: the same array, and no chunk
-    fetched twice (a piece may read its shard's small index again)."""
+def test_a_large_read_in_one_shard_streams_through_it_into_the_result(tmp_path, index, monkeypatch):
+    """A read of 8 MiB or more that lies in one shard is one prefetching read of that shard
+    file, straight into the result: the same array, and no chunk fetched twice."""
     from layoutckpt import _reader, _store
 
-    pieces = []  # (box, destination) of every shard-file read
+    reads = []  # (box, destination, keywords) of every shard-file read
     read_box = _store.read_box
-    monkeypatch.setattr(_store, "read_box", lambda *a: pieces.append(a[-2:]) or read_box(*a))
+    monkeypatch.setattr(_store, "read_box", lambda *a, **k: reads.append((*a[-2:], k)) or read_box(*a, **k))
 
     path = str(tmp_path / "ck")
     full = full_array((3072, 2048))  # 24 MiB, one shard
@@ -145,15 +146,9 @@ def test_large_reads_go_in_pieces_with_the_same_bytes(tmp_path, index, monkeypat
         if index is None
         else tuple((sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(index, info.shape))
     )
-    # Really in pieces, each into its own rows of the result, together covering the box once.
-    assert len(pieces) > 1 and all(np.shares_memory(out, got) for _, out in pieces)
-    assert [p[1:] for p, _ in pieces] == [box[1:]] * len(pieces)
-    rows = [p[0] for p, _ in pieces]
-    assert rows[0][0] == box[0][0] and rows[-1][1] == box[0][1]
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
-    assert all(start % info.inner_chunk_shape[0] == 0 for start, _ in rows[1:])
+    assert len(reads) == 1 and reads[0][0] == box and reads[0][1] is got and reads[0][2] == {"prefetch": True}
     index_bytes = INDEX_ENTRY * math.prod(s // c for s, c in zip(info.shard_shape, info.inner_chunk_shape)) + CRC
-    assert view.nbytes <= fetched <= chunk_accounting(info, box) + len(pieces) * index_bytes
+    assert view.nbytes <= fetched <= chunk_accounting(info, box) + index_bytes
 
     # An object store (memory:// stands for one): TensorStore copies the pieces into the result.
     targets = []
@@ -163,6 +158,32 @@ def test_large_reads_go_in_pieces_with_the_same_bytes(tmp_path, index, monkeypat
     lc.save(remote, {"w": full}, lc.Layout.replicated())
     got = lc.open(remote).read("w", index)
     assert got.tobytes() == view.tobytes() and len(targets) == 1 and targets[0] is got
+
+
+def test_a_large_read_over_several_shards_goes_in_row_pieces(monkeypatch):
+    """A large read over several shard files is cut into concurrent row pieces on the inner
+    chunk grid, each read straight into its rows of the result, together covering the box once
+    (the golden checkpoint's embedding: 5 rows in shards of 3 and 2, with the threshold lowered)."""
+    from layoutckpt import _reader, _store
+
+    pieces = []
+    read_box = _store.read_box
+    monkeypatch.setattr(_store, "read_box", lambda *a, **k: pieces.append((*a[-2:], k)) or read_box(*a, **k))
+    monkeypatch.setattr(_reader, "PIECEWISE_BYTES", 1)
+    rd = lc.open(GOLDEN)
+    info = rd.info("model.embed.weight")
+    assert info.shard_shape[0] < info.shape[0]
+
+    got = rd.read("model.embed.weight")
+
+    assert got.tobytes() == rd.tensorstore("model.embed.weight").read().result().tobytes()
+    box = tuple((0, n) for n in info.shape)
+    assert len(pieces) > 1 and all(np.shares_memory(out, got) and k == {} for _, out, k in pieces)
+    assert [p[1:] for p, _, _ in pieces] == [box[1:]] * len(pieces)
+    rows = [p[0] for p, _, _ in pieces]
+    assert rows[0][0] == 0 and rows[-1][1] == info.shape[0]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+    assert all(start % info.inner_chunk_shape[0] == 0 for start, _ in rows[1:])
 
 
 @pytest.mark.parametrize(

@@ -112,3 +112,58 @@ def test_short_writes_are_resumed_where_they_stopped(tmp_path, monkeypatch):
     key = f"a/{meta.chunk_key((0, 1))}"
     assert len(calls) > (tmp_path / "whole" / key).stat().st_size // 7
     assert (tmp_path / "short" / key).read_bytes() == (tmp_path / "whole" / key).read_bytes()
+
+
+@pytest.mark.parametrize(("shape", "shard", "inner", "dtype"), CASES)
+@pytest.mark.parametrize(
+    "box_of", [lambda s: tuple((0, n) for n in s), lambda s: tuple((n // 3, n - n // 4) for n in s)]
+)
+def test_prefetched_reads_give_the_same_array_and_bytes(tmp_path, shape, shard, inner, dtype, box_of):
+    """``read_box(prefetch=True)`` reads each shard's runs on a thread of its own, ahead of the
+    checks: the same elements and the same bytes read as the plain path, every shard file read
+    front to back."""
+    meta = _meta(shape, shard, inner, dtype)
+    array = _array(shape, dtype)
+    for cell in _shardfile.grid_cells(shape, shard):
+        part = array[tuple(slice(c * s, (c + 1) * s) for c, s in zip(cell, shard))]
+        _shardfile.write_shard(tmp_path, meta, cell, array.dtype, part)
+    box = box_of(shape)
+    want = array[tuple(slice(a, b) for a, b in box)]
+    plain, ahead = np.empty_like(want), np.empty_like(want)
+    plain_bytes = _shardfile.read_box(tmp_path, meta, box, plain)
+    ahead_bytes = _shardfile.read_box(tmp_path, meta, box, ahead, prefetch=True)
+    assert ahead.tobytes() == plain.tobytes() == want.tobytes()
+    assert ahead_bytes == plain_bytes
+
+
+def test_prefetched_reads_run_ahead_on_their_own_thread_and_stop_at_damage(tmp_path, monkeypatch):
+    """The runs are read by the read-ahead thread; a chunk that fails its checksum raises
+    ``Damaged`` on the caller's thread, and the read-ahead thread is gone when it does."""
+    import threading
+
+    shape, shard, inner, dtype = (64, 48), (64, 48), (4, 48), "float32"  # 16 runs of one chunk
+    meta = _meta(shape, shard, inner, dtype)
+    array = _array(shape, dtype)
+    _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
+    monkeypatch.setattr(_shardfile, "READ_RUN_BYTES", 4 * 48 * 4)
+    readers = []
+    real = _shardfile.os.preadv
+    monkeypatch.setattr(
+        _shardfile.os,
+        "preadv",
+        lambda fd, bufs, at: readers.append(threading.current_thread().name) or real(fd, bufs, at),
+    )
+    out = np.empty_like(array)
+    _shardfile.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True)
+    assert out.tobytes() == array.tobytes()
+    assert len(readers) == 16 and set(readers) == {"layoutckpt-read-ahead"}
+
+    path = tmp_path / "a" / meta.chunk_key((0, 0))
+    data = bytearray(path.read_bytes())
+    data[5 * (4 * 48 * 4 + 4) + 10] ^= 0xFF  # inside the sixth chunk
+    path.write_bytes(bytes(data))
+    readers.clear()
+    with pytest.raises(_shardfile.Damaged, match=r"inner chunk 5 of shard c\.0\.0 fails its crc32c"):
+        _shardfile.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True)
+    assert not any(t.name == "layoutckpt-read-ahead" for t in threading.enumerate())
+    assert 6 <= len(readers) <= 6 + _shardfile.PREFETCH_DEPTH  # it stopped soon after
