@@ -274,25 +274,24 @@ def _prefetched(
     fd: int,
     key: str,
     runs: list[list[_Chunk]],
-    most: int,
+    sizes: list[int],
     check: Callable[[str, Sequence[int], list[_Chunk], np.ndarray], None],
     origin: Sequence[int],
-) -> int:
-    """``read_box``'s reads of one shard's ``runs`` (each at most ``most`` bytes) on a thread
-    that keeps up to ``PREFETCH_DEPTH`` runs ahead of ``check``, which runs on this one."""
+) -> None:
+    """``read_box``'s reads of one shard's ``runs`` (of ``sizes`` bytes) on a thread that keeps
+    up to ``PREFETCH_DEPTH`` runs ahead of ``check``, which runs on this one."""
     free: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
     done: queue.SimpleQueue[tuple[list[_Chunk], np.ndarray, int] | BaseException] = queue.SimpleQueue()
     for _ in range(min(PREFETCH_DEPTH, len(runs))):
-        free.put(np.empty(most, np.uint8))
+        free.put(np.empty(max(sizes), np.uint8))
     stop = threading.Event()
 
     def read_ahead() -> None:
         try:
-            for run in runs:
+            for run, total in zip(runs, sizes):
                 buffer = free.get()
                 if buffer is None or stop.is_set():  # the checks failed
                     return
-                total = sum(c[3] for c in run)
                 if os.preadv(fd, [buffer[:total]], run[0][2]) != total:
                     raise Damaged(False, f"inner chunk {run[0][0]} of shard {key} is cut short")
                 done.put((run, buffer, total))
@@ -313,7 +312,6 @@ def _prefetched(
         stop.set()
         free.put(None)
         reader.join()  # before the caller closes ``fd``
-    return sum(c[3] for run in runs for c in run)
 
 
 def bytes_read() -> int:
@@ -410,18 +408,18 @@ def read_box(
         """Read each run of adjacent chunks of one shard with one call, check its chunks and
         copy them out; with ``prefetch``, the reads go ahead on a thread of their own."""
         nonlocal buffer
-        most = max(sum(c[3] for c in run) for run in runs)
+        sizes = [sum(c[3] for c in run) for run in runs]
         if prefetch and len(runs) > 1:
-            return _prefetched(fd, key, runs, most, check, origin)
-        if len(buffer) < most:
+            _prefetched(fd, key, runs, sizes, check, origin)
+            return sum(sizes)
+        if len(buffer) < max(sizes):
             # Room for a whole run, but not 256 KiB for a small array's one chunk of a few bytes.
-            buffer = np.empty(max(most, min(READ_RUN_BYTES, 16 * (chunk_bytes + 4))), np.uint8)
-        for run in runs:
-            total = sum(c[3] for c in run)
+            buffer = np.empty(max(max(sizes), min(READ_RUN_BYTES, 16 * (chunk_bytes + 4))), np.uint8)
+        for run, total in zip(runs, sizes):
             if os.preadv(fd, [buffer[:total]], run[0][2]) != total:
                 raise Damaged(False, f"inner chunk {run[0][0]} of shard {key} is cut short")
             check(key, origin, run, buffer[:total])
-        return sum(c[3] for run in runs for c in run)
+        return sum(sizes)
 
     try:
         for cell in itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard))):
