@@ -286,9 +286,10 @@ class _Rank:
                 aside = os.path.join(self.retired, str(self.n_retired))
                 self.n_retired += 1
                 os.rename(path, aside)
-                evict(aside)
                 if self.opts["truncate_aside"]:
-                    free_output(aside, delete=False)
+                    free_output(aside, delete=False)  # drops its pages too
+                else:
+                    evict(aside)
             os.sync()  # flush the deletion now, not in the next write
         self.barrier()
 
