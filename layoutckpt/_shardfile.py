@@ -275,8 +275,7 @@ def _prefetched(
     key: str,
     runs: list[list[_Chunk]],
     sizes: list[int],
-    check: Callable[[str, Sequence[int], list[_Chunk], np.ndarray], None],
-    origin: Sequence[int],
+    check: Callable[[list[_Chunk], np.ndarray], None],
 ) -> None:
     """``read_box``'s reads of one shard's ``runs`` (of ``sizes`` bytes) on a thread that keeps
     up to ``PREFETCH_DEPTH`` runs ahead of ``check``, which runs on this one."""
@@ -306,7 +305,7 @@ def _prefetched(
             if isinstance(item, BaseException):
                 raise item
             run, buffer, total = item
-            check(key, origin, run, buffer[:total])
+            check(run, buffer[:total])
             free.put(buffer)
     finally:
         stop.set()
@@ -410,7 +409,7 @@ def read_box(
         nonlocal buffer
         sizes = [sum(c[3] for c in run) for run in runs]
         if prefetch and len(runs) > 1:
-            _prefetched(fd, key, runs, sizes, check, origin)
+            _prefetched(fd, key, runs, sizes, lambda run, data: check(key, origin, run, data))
             return sum(sizes)
         if len(buffer) < max(sizes):
             # Room for a whole run, but not 256 KiB for a small array's one chunk of a few bytes.
