@@ -19,6 +19,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 WRITE_ROWS = {
     "save": [
         "raw write+fsync",
+        "raw write+fsync, 8 streams",
         "layoutckpt save",
         "torch.save+fsync",
         "DCP save",
@@ -87,6 +88,13 @@ def test_quick_run_reports_every_row(tmp_path):
         assert all(len(rank["results"]["lc_save"]) == 1 for rank in res["per_rank"])
         names = [t["name"] for t in res["targets"]]
         assert len(names) == 9 and all(t["verdict"] in ("PASS", "MISS") for t in res["targets"]), res["targets"]
+        # the parallel raw write keeps 8 files in flight over all ranks; the save targets' context
+        assert res["files_written"]["raw_streams"] == 8
+        context = res["save_context"]
+        dcp = {"DCP save", "1.5x DCP save"} if _dcp_available() else set()
+        assert set(context) == {"parallel raw write", "layoutckpt save"} | dcp
+        if dcp:
+            assert context["1.5x DCP save"] == pytest.approx(1.5 * context["DCP save"])
 
 
 @pytest.mark.parametrize("only", ["partial,lc", "nosuch"])
