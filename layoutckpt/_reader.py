@@ -23,10 +23,13 @@ import tensorstore as ts
 # as they exited (``_format._parse_helpers``).
 from . import _rankstate, _shardfile, _store  # noqa: F401
 from ._dtypes import numpy_dtype
+from ._errors import TemplateMismatchError
 from ._format import ArrayMeta, CheckpointMeta
 from ._location import LocalDir, locate
 from ._plan import Box
 from ._spec import Mesh, P
+from ._tensors import to_numpy
+from ._torch import is_tensor
 from ._tree import decode_value, leaf_nodes
 
 
@@ -168,30 +171,50 @@ class Reader:
     def read_async(self, name: str, index: Any = None) -> ts.Future[np.ndarray]:
         """A future of ``read(name, index)``."""
         store = self.tensorstore(name)
-        return (store if index is None else store[index]).read()
+        return (store if index is None else store[_numpy_index(index, store.shape, name)]).read()
 
-    def read(self, name: str, index: Any = None) -> Any:
+    def read(self, name: str, index: Any = None, *, out: Any = None) -> Any:
         """The array ``name`` (or ``index`` of it, e.g. ``np.s_[0:8, :]``) as NumPy; a JSON leaf's value.
 
-        Only the inner chunks the index overlaps are read from storage.
+        Only the inner chunks the index overlaps are read from storage. ``out``, a writable NumPy
+        array or CPU tensor of the result's shape and dtype, receives the result instead of a new
+        array and is returned: a loop reading tensors of one shape into one buffer pays for
+        fresh memory once (first touches cost as much as a third of a cold 65 MB read on a
+        virtual machine that hands freed memory back to its host, docs/performance.md).
         """
         if name in self._values:
+            if out is not None:
+                raise TemplateMismatchError(f"{name!r} is a JSON value, not an array; read it without out=")
             return decode_value(self._values[name])
         store = self.tensorstore(name)
+        if index is not None:
+            index = _numpy_index(index, store.shape, name)
         box = _box_of(store, index)
         meta = self._array(self.aliases.get(name, name))
         dtype = numpy_dtype(meta.dtype)
-        nbytes = dtype.itemsize * math.prod(b - a for a, b in box) if box is not None else 0
-        if box is not None and isinstance(self._root, LocalDir):
-            return self._read_local(name, meta, box, dtype, nbytes)
+        shape = tuple(b - a for a, b in box) if box is not None else store[index].shape
+        result = _out_array(out, name, shape, dtype) if out is not None else None
+        if box is None:
+            value = _store.read_result(self.read_async(name, index), name, self.path)
+            if result is None:
+                return value
+            np.copyto(result, value)
+            return out
+        nbytes = dtype.itemsize * math.prod(shape)
+        if result is None:
+            result = np.empty(shape, dtype=dtype)
+            out = result
+        if isinstance(self._root, LocalDir):
+            self._read_local(name, meta, box, result, nbytes)
+            return out
+        target = ts.array(result, copy=False, write=True)
         if nbytes < PIECEWISE_BYTES:
-            return _store.read_result(self.read_async(name, index), name, self.path)
+            _store.read_result(target.write(store[tuple(slice(a, b) for a, b in box)]), name, self.path)
+            return out
         # A large box goes in row pieces on the inner chunk grid, all in flight at once, each
         # copied by TensorStore straight into the result: on a cold disk a 65 MB tensor took
         # 0.06-0.13 s where one whole read took 0.11-0.17 s (a raw read of its file: 0.06 s),
         # and warm 0.03-0.045 s against 0.065-0.075 s. No chunk is read twice.
-        out = np.empty(tuple(b - a for a, b in box), dtype=dtype)
-        target = ts.array(out, copy=False, write=True)
         start = box[0][0]
         copies = []
         for piece in _row_pieces(box, meta.inner_chunk_shape[0]):
@@ -201,24 +224,23 @@ class Reader:
             _store.read_result(c, name, self.path)
         return out
 
-    def _read_local(self, name: str, meta: ArrayMeta, box: Box, dtype: np.dtype, nbytes: int) -> np.ndarray:
+    def _read_local(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, nbytes: int) -> None:
         """A box of a local checkpoint, read from its shard files (``_shardfile.read_box``)
-        straight into the result. A large box inside one shard is read with ``prefetch``: one
+        straight into ``out``. A large box inside one shard is read with ``prefetch``: one
         sequential stream through the file, checked as it arrives (the 65 MB embedding in one
         shard, cold, medians of 40 reads: 0.036-0.042 s, against 0.048-0.056 s in row pieces on
         4 threads, which read one file at 4 places at once). A large box over several shards goes in row pieces, read
         by a few threads at once: there a cold disk serves the files in flight together (one
         prefetching piece per shard instead took as long cold, and longer warm)."""
         assert isinstance(self._root, LocalDir)
-        out = np.empty(tuple(b - a for a, b in box), dtype=dtype)
         read = functools.partial(_store.read_box, self._root.root, meta, name, self.path, self.meta.all_chunks_stored)
         if nbytes < PIECEWISE_BYTES:
             read(box, out)
-            return out
+            return
         if all(a // s == (b - 1) // s for (a, b), s in zip(box, meta.shard_shape)):
             # One shard file: read front to back by one thread, checked and copied by this one.
             read(box, out, prefetch=True)
-            return out
+            return
         start = box[0][0]
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="layoutckpt-read") as threads:
             done = [
@@ -227,7 +249,27 @@ class Reader:
             ]
             for f in done:
                 f.result()
-        return out
+
+
+def _out_array(out: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``out`` of ``Reader.read`` as the NumPy array to fill (a view of a tensor's memory),
+    after checking it can hold the result."""
+    if is_tensor(out):
+        if out.device.type != "cpu":
+            raise TemplateMismatchError(
+                f"out= for {name!r} is on {out.device}; read into a CPU tensor (pinned or not) and copy it over"
+            )
+        out = to_numpy(out)
+    if not isinstance(out, np.ndarray):
+        raise TemplateMismatchError(f"out= for {name!r} is a {type(out).__name__}; pass a NumPy array or a CPU tensor")
+    if out.shape != shape or out.dtype != dtype:
+        raise TemplateMismatchError(
+            f"out= for {name!r} is {out.dtype}{list(out.shape)}, the read gives {dtype}{list(shape)}; "
+            f"pass a buffer of that shape and dtype, or read without out="
+        )
+    if not out.flags.writeable:
+        raise TemplateMismatchError(f"out= for {name!r} is read-only; pass a writable buffer")
+    return out
 
 
 def _row_pieces(box: Box, rows: int) -> list[Box]:
@@ -247,6 +289,37 @@ PIECES = 8
 # of a 65 MB tensor in 4 shards, on 2 cores: 0.059 s with 4 threads, 0.069 s with 2 (the number
 # of shard writers, ``_shardfile.THREADS``), 30 reads of each alternated.
 READ_THREADS = 4
+
+
+def _numpy_index(index: Any, shape: tuple[int, ...], name: str) -> Any:
+    """``index`` with NumPy's meaning where TensorStore's differs: a negative position counts
+    from the end, and a slice past the end stops there. TensorStore reads both as coordinates
+    (its domains may start below zero) and refuses them. Indexes with ``None``, arrays or
+    lists go to TensorStore as they are."""
+    terms = index if isinstance(index, tuple) else (index,)
+    plain = all(t is Ellipsis or (isinstance(t, (slice, int, np.integer)) and not isinstance(t, bool)) for t in terms)
+    if not plain or terms.count(Ellipsis) > 1:
+        return index
+    if Ellipsis in terms:
+        at = terms.index(Ellipsis)
+        terms = terms[:at] + (slice(None),) * (len(shape) - len(terms) + 1) + terms[at + 1 :]
+    if len(terms) > len(shape):
+        raise IndexError(f"{len(terms)} indices for {name!r}, which has {len(shape)} dimensions {list(shape)}")
+    out: list[Any] = []
+    for dim, (t, n) in enumerate(zip(terms, shape)):
+        if isinstance(t, slice):
+            start, stop, step = t.indices(n)
+            if step > 0:
+                out.append(slice(start, max(start, stop), step))
+            elif start < 0:  # nothing to take going down
+                out.append(slice(0, 0))
+            else:  # down to and including 0: no stop TensorStore could take as a coordinate
+                out.append(slice(start, None if stop < 0 else stop, step))
+        elif -n <= t < n:
+            out.append(int(t) % n)
+        else:
+            raise IndexError(f"index {t} is out of range for dimension {dim} of {name!r}, of size {n}")
+    return tuple(out)
 
 
 def _box_of(store: ts.TensorStore, index: Any) -> tuple[tuple[int, int], ...] | None:
