@@ -371,7 +371,7 @@ class _Rank:
     def raw_write(self) -> None:
         with open(os.path.join(self.paths["raw"], f"rank{self.rank}.bin"), "wb", buffering=0) as f:
             for t in self.flat.values():
-                f.write(memoryview(t.cpu().reshape(-1).view(self.torch.uint8).numpy()))
+                _write_all(f, memoryview(t.cpu().reshape(-1).view(self.torch.uint8).numpy()))
             os.fsync(f.fileno())
 
     def raw_write_streams(self) -> None:
@@ -394,7 +394,7 @@ class _Rank:
         def write(i: int, pieces: list[memoryview]) -> None:
             with open(os.path.join(self.paths["raw_streams"], f"rank{self.rank}.{i}.bin"), "wb", buffering=0) as f:
                 for piece in pieces:
-                    f.write(piece)
+                    _write_all(f, piece)
                 os.fsync(f.fileno())
 
         with ThreadPoolExecutor(streams) as threads:
@@ -686,6 +686,12 @@ class _Rank:
         if "lc_reshard" in d and "dcp_reshard" in d:
             out["lc_reshard == dcp_reshard"] = d["lc_reshard"] == d["dcp_reshard"]
         return out
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    """All of ``view`` to the unbuffered file ``f``: one ``write`` moves at most 2 GiB on Linux."""
+    while len(view):
+        view = view[f.write(view) :]
 
 
 def _phases(result: Any) -> dict[str, float]:
