@@ -195,7 +195,7 @@ class Reader:
         shape = tuple(b - a for a, b in box) if box is not None else store[index].shape
         result = _out_array(out, name, shape, dtype) if out is not None else None
         if box is None:
-            value = _store.read_result(self.read_async(name, index), name, self.path)
+            value = _store.read_result(store[index].read(), name, self.path)  # index already as NumPy means it
             if result is None:
                 return value
             np.copyto(result, value)
