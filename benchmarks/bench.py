@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -368,16 +368,22 @@ class _Rank:
 
         return run
 
+    def state_bytes(self) -> Iterator[memoryview]:
+        """Every local tensor's bytes, in order, as the raw writes write them (a GPU tensor's
+        copied to the host as it comes)."""
+        for t in self.flat.values():
+            yield memoryview(t.cpu().reshape(-1).view(self.torch.uint8).numpy())
+
     def raw_write(self) -> None:
         with open(os.path.join(self.paths["raw"], f"rank{self.rank}.bin"), "wb", buffering=0) as f:
-            for t in self.flat.values():
-                _write_all(f, memoryview(t.cpu().reshape(-1).view(self.torch.uint8).numpy()))
+            for view in self.state_bytes():
+                _write_all(f, view)
             os.fsync(f.fileno())
 
     def raw_write_streams(self) -> None:
         """The same bytes as ``raw_write``, cut into ``MACHINE_STREAMS / N`` files of about
         equal size, each written and fsync'd by its own thread: the disk's parallel peak."""
-        views = [memoryview(t.cpu().reshape(-1).view(self.torch.uint8).numpy()) for t in self.flat.values()]
+        views = list(self.state_bytes())
         streams = max(1, MACHINE_STREAMS // self.world)
         share = -(-sum(len(v) for v in views) // streams)
         parts: list[list[memoryview]] = [[]]

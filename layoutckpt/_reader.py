@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -192,23 +191,23 @@ class Reader:
         box = _box_of(store, index)
         meta = self._array(self.aliases.get(name, name))
         dtype = numpy_dtype(meta.dtype)
-        shape = tuple(b - a for a, b in box) if box is not None else store[index].shape
+        view = store[index] if box is None else None  # the index, already NumPy's, as TensorStore reads it
+        shape = view.shape if view is not None else tuple(b - a for a, b in box)
         result = _out_array(out, name, shape, dtype) if out is not None else None
-        if box is None:
-            value = _store.read_result(store[index].read(), name, self.path)  # index already as NumPy means it
+        if view is not None:
+            value = _store.read_result(view.read(), name, self.path)
             if result is None:
                 return value
             np.copyto(result, value)
             return out
-        nbytes = dtype.itemsize * math.prod(shape)
         if result is None:
             result = np.empty(shape, dtype=dtype)
             out = result
         if isinstance(self._root, LocalDir):
-            self._read_local(name, meta, box, result, nbytes)
+            self._read_local(name, meta, box, result)
             return out
         target = ts.array(result, copy=False, write=True)
-        if nbytes < PIECEWISE_BYTES:
+        if result.nbytes < PIECEWISE_BYTES:
             _store.read_result(target.write(store[tuple(slice(a, b) for a, b in box)]), name, self.path)
             return out
         # A large box goes in row pieces on the inner chunk grid, all in flight at once, each
@@ -224,17 +223,18 @@ class Reader:
             _store.read_result(c, name, self.path)
         return out
 
-    def _read_local(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, nbytes: int) -> None:
+    def _read_local(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray) -> None:
         """A box of a local checkpoint, read from its shard files (``_shardfile.read_box``)
         straight into ``out``. A large box inside one shard is read with ``prefetch``: one
         sequential stream through the file, checked as it arrives (the 65 MB embedding in one
         shard, cold, medians of 40 reads: 0.036-0.042 s, against 0.048-0.056 s in row pieces on
-        4 threads, which read one file at 4 places at once). A large box over several shards goes in row pieces, read
-        by a few threads at once: there a cold disk serves the files in flight together (one
-        prefetching piece per shard instead took as long cold, and longer warm)."""
+        4 threads, which read one file at 4 places at once). A large box over several shards
+        goes in row pieces, read by a few threads at once: there a cold disk serves the files in
+        flight together (one prefetching piece per shard was no faster over the median and had
+        the longer tail, docs/performance.md)."""
         assert isinstance(self._root, LocalDir)
         read = functools.partial(_store.read_box, self._root.root, meta, name, self.path, self.meta.all_chunks_stored)
-        if nbytes < PIECEWISE_BYTES:
+        if out.nbytes < PIECEWISE_BYTES:
             read(box, out)
             return
         if all(a // s == (b - 1) // s for (a, b), s in zip(box, meta.shard_shape)):
