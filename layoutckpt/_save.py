@@ -156,6 +156,7 @@ def save(
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
     compression: str | None = None,
     concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
+    direct_io: bool = True,
 ) -> SaveResult:
     """Save this rank's shards of ``state`` under ``layout``; every rank of the group calls it.
 
@@ -176,7 +177,9 @@ def save(
     group, or a world of one without ``torch.distributed``). ``inner_chunk_bytes`` is the target
     size in bytes of an inner chunk, the unit a partial read fetches (default 2 MiB);
     ``compression`` is ``None`` (default), ``"zstd"`` or ``"blosc"``; ``concurrency`` bounds the
-    storage requests in flight (file operations, or S3/GCS requests).
+    storage requests in flight (file operations, or S3/GCS requests). ``direct_io`` (default
+    True) writes the large uncompressed shards of a local save past the page cache (``O_DIRECT``)
+    where the file system allows it, and through it where not; ``False`` always goes through it.
 
     Returns this rank's ``SaveResult`` (path, bytes and arrays written, seconds, and
     ``.metrics`` with the time of each phase) after the checkpoint is committed on every rank.
@@ -186,7 +189,9 @@ def save(
     The caller is blocked throughout, so the live tensors are written without a staging copy.
     """
     options = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=group)
-    storage = dict(inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency)
+    storage = dict(
+        inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency, direct_io=direct_io
+    )
     return _start(path, state, layout, copy=False, lazy=False, budget=None, **options, **storage).result()
 
 
@@ -205,6 +210,7 @@ def save_async(
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
     compression: str | None = None,
     concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
+    direct_io: bool = True,
 ) -> SaveFuture:
     """Start saving; return once the state is staged (copied out of the live tensors).
 
@@ -219,7 +225,9 @@ def save_async(
     seen it. Bad input raises here, before anything is written, as for ``save``.
     """
     options = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=group)
-    storage = dict(inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency)
+    storage = dict(
+        inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency, direct_io=direct_io
+    )
     return _start(path, state, layout, copy=True, lazy=lazy, budget=host_memory_budget, **options, **storage)
 
 
@@ -235,6 +243,7 @@ class _Job:
     rank_doc: bytes | None
     overwrite: bool
     concurrency: int
+    direct_io: bool
     started: float
     operation: str
     phases: Phases = attrs.field(factory=Phases)
@@ -257,6 +266,7 @@ def _start(
     inner_chunk_bytes: int,
     compression: str | None,
     concurrency: int,
+    direct_io: bool,
 ) -> SaveFuture:
     t0 = time.perf_counter()
     comm = comm_for(group)
@@ -356,7 +366,9 @@ def _start(
     for name, box, data in _flat_writes(comm, flats, cached.flat_shards, mesh):
         mine.append((name, box))
         sources.append(data)
-    job = _Job(tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, t0, "save_async" if copy else "save")
+    job = _Job(
+        tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, direct_io, t0, "save_async" if copy else "save"
+    )
     job.phases.since("plan", t0)
     items = [Staged(source) for source in sources]
     fut = SaveFuture(final.url)
@@ -655,8 +667,9 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     documents meanwhile, then make it all durable; a written buffer goes back at once.
 
     On a local file system a box that is one whole shard is written by ``_shardfile`` on a few
-    threads (half the CPU time of TensorStore's path, and each file's writeback starts as it is
-    closed); other boxes, and every box on an object store, go through TensorStore.
+    threads (half the CPU time of TensorStore's path; a large shard past the page cache, with
+    ``job.direct_io``, and each other file's writeback started as it is closed); other boxes,
+    and every box on an object store, go through TensorStore.
     """
     pending = []
     written = 0
@@ -717,7 +730,7 @@ def _write_shard_file(job: _Job, root: LocalDir, meta: ArrayMeta, cell: tuple[in
     try:
         data = item.wait()
         job.in_flight.start(data.nbytes)
-        _shardfile.write_shard(root.root, meta, cell, data.dtype, data, start_writeback=True)
+        _shardfile.write_shard(root.root, meta, cell, data.dtype, data, start_writeback=True, direct=job.direct_io)
         job.in_flight.done(data.nbytes)
         return data.nbytes
     finally:

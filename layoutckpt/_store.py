@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import os
 import shutil
 import sys
@@ -142,19 +144,39 @@ def is_committed(path: str | os.PathLike[str] | Location) -> bool:
     return locate(path).committed()
 
 
-def create_file(path: Path) -> int:
-    """Open ``path`` for writing, truncated, creating it and any missing parent directories.
+def create_file(path: Path, *, direct: bool = False) -> int:
+    """Open ``path`` for writing, truncated, creating it and any missing parent directories;
+    with ``direct``, past the page cache (``O_DIRECT``) where the file system allows it, and
+    through it where not (``is_direct`` tells which).
 
     The open is tried first and the directories made only where it fails: ``mkdir`` of a
     directory that exists is still a system call under its parent's lock, once per file, and
     the writer threads of every rank make hundreds of files (4 ranks saving 2 GB: 8% faster).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    if direct and _O_DIRECT:
+        try:
+            return _open(path, flags | _O_DIRECT)
+        except OSError as err:
+            if err.errno != errno.EINVAL:  # tmpfs and some FUSE file systems refuse O_DIRECT
+                raise
+    return _open(path, flags)
+
+
+def _open(path: Path, flags: int) -> int:
     try:
         return os.open(path, flags, 0o644)
     except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
         return os.open(path, flags, 0o644)
+
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux and a few others; macOS has none
+
+
+def is_direct(fd: int) -> bool:
+    """Whether the open file ``fd`` bypasses the page cache."""
+    return bool(_O_DIRECT) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT)
 
 
 def write_file(path: Path, data: bytes, *, sync: bool = True) -> None:
