@@ -342,11 +342,11 @@ class _Direct(_Sink):
             at = 0
             while at < len(src):
                 buffer = self.buffers[self.current]
-                n = min(len(src) - at, DIRECT_BYTES - self.fill)
+                n = min(len(src) - at, len(buffer) - self.fill)
                 buffer[self.fill : self.fill + n] = src[at : at + n]
                 self.fill += n
                 at += n
-                if self.fill == DIRECT_BYTES:
+                if self.fill == len(buffer):
                     self._submit()
 
     def _submit(self) -> None:
@@ -393,7 +393,10 @@ def _write_direct(fd: int, buffer: np.ndarray, offset: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         done = os.pwrite(fd, buffer, offset)
     while done < len(buffer):
-        done += os.pwrite(fd, buffer[done:], offset + done)
+        more = os.pwrite(fd, buffer[done:], offset + done)
+        if more == 0:
+            raise OSError(errno.EIO, f"a write at byte {offset + done} of a shard file wrote nothing")
+        done += more
 
 
 _direct_lock = threading.Lock()
