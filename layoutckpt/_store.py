@@ -158,7 +158,7 @@ def create_file(path: Path, *, direct: bool = False) -> int:
         try:
             return _open(path, flags | _O_DIRECT)
         except OSError as err:
-            if err.errno != errno.EINVAL:  # tmpfs and some FUSE file systems refuse O_DIRECT
+            if err.errno != errno.EINVAL:  # tmpfs before Linux 6.6, some FUSE file systems
                 raise
     return _open(path, flags)
 
