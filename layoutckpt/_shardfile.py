@@ -118,10 +118,11 @@ def write_shard(
         and source.size > 0
         and meta.compression is None
     )
-    path = root / meta.path / meta.chunk_key(cell)
-    big = isinstance(source, np.ndarray) and source.nbytes >= DIRECT_BYTES
-    fd = _store.create_file(path, direct=direct and big and meta.compression is None)
-    sink: _Sink = _Direct(fd) if _store.is_direct(fd) else _Buffered(fd)
+    # Only a shard whose every byte is at hand goes past the page cache; the others never ask
+    # the kernel (no fcntl per small file).
+    direct = direct and isinstance(source, np.ndarray) and source.nbytes >= DIRECT_BYTES and meta.compression is None
+    fd = _store.create_file(root / meta.path / meta.chunk_key(cell), direct=direct)
+    sink: _Sink = _Direct(fd) if direct and _store.is_direct(fd) else _Buffered(fd)
     try:
         if whole:
             assert isinstance(source, np.ndarray)
