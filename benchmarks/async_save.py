@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import GB, RULES, build_state, meminfo, model_dims, spec_of, stats
+from _common import GB, RULES, build_state, leave_world, meminfo, model_dims, spec_of, stats
 from _common import dd as run_dd
 
 TARGETS = {  # ratio name -> (numerator row, denominator row, metric, bound)
@@ -214,7 +214,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> None:
         with open(os.path.join(work, "results.json"), "w") as f:
             json.dump(out, f)
     barrier()
-    dist.destroy_process_group()
+    leave_world()
 
 
 def _profile_one_save(rank: int, work: str, state: Any, layout: Any, prefix: str) -> dict[str, str] | None:

@@ -46,6 +46,7 @@ from _common import (
     files_under,
     filesystem_of,
     free_output,
+    leave_world,
     leaves,
     local_shape,
     meminfo,
@@ -719,7 +720,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> None:
         with open(os.path.join(opts["workdir"], "results.json"), "w") as f:
             json.dump(gathered, f)
     dist.barrier()
-    dist.destroy_process_group()
+    leave_world()
 
 
 # ---------------------------------------------------------------------------------------------

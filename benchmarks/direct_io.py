@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RULES, build_state, free_output, model_dims
+from _common import RULES, build_state, free_output, leave_world, model_dims
 
 MODES = {"direct": True, "buffered": False}
 
@@ -60,8 +60,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace, root: str, queue) -> 
             if rep:
                 times[mode].append((elapsed, c1.user - c0.user + c1.system - c0.system))
     queue.put((rank, times, nbytes["local"]))
+    queue.close()
+    queue.join_thread()  # the result sent before the rank leaves
     dist.barrier()
-    dist.destroy_process_group()
+    leave_world()
 
 
 def _report(world: int, results: list, repeats: int) -> None:

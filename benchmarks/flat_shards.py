@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from _common import leave_world
+
 GB = 1e9
 
 
@@ -120,7 +122,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
             m = statistics.median(times)
             spread = f"{min(times):.3f}-{max(times):.3f}"
             print(f"{name:<20} {m:8.3f} {spread:>15} {size / GB / m:7.2f} {m / ref:12.2f} {m / raw_ref:7.2f}")
-    dist.destroy_process_group()
+    leave_world()
 
 
 def main() -> None:

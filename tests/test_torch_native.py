@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 import layoutckpt as lc
 
 from . import llama
+from .multirank import leave_world
 
 SEED = 0
 # Resumed models are built from another seed (or left uninitialized on meta): only a load that
@@ -52,8 +53,10 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, out: str) -> None:
         if rank == 0:
             with open(Path(out) / f"{fn.__name__}.pkl", "wb") as f:
                 pickle.dump(result, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # to mp.spawn, which reports it
+    leave_world()
 
 
 def _spawn(fn: Callable[..., Any], world: int, out: Path) -> dict[str, Any]:
