@@ -475,6 +475,22 @@ def _prefetched(
         reader.join()  # before the caller closes ``fd``
 
 
+def _read_cached(fd: int, view: np.ndarray, offset: int) -> bool:
+    """Read ``view``'s length at ``offset`` into it only if the page cache holds all of it
+    (``RWF_NOWAIT``: no wait for the device); False where it does not, or the system cannot tell."""
+    if not _RWF_NOWAIT:
+        return False
+    try:
+        return os.preadv(fd, [view], offset, _RWF_NOWAIT) == len(view)
+    except OSError as err:
+        if err.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):  # not cached; not supported here
+            return False
+        raise
+
+
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14 and later
+
+
 def bytes_read() -> int:
     """Bytes this process has read from shard files through ``read_box`` (index and chunks,
     checksums included): the counterpart of TensorStore's ``/tensorstore/kvstore/file/bytes_read``."""
@@ -522,7 +538,8 @@ def read_box(
 
     With ``prefetch`` a thread of its own reads each shard's runs in file order, up to
     ``PREFETCH_DEPTH`` ahead, while this one checks and copies: one sequential stream per file,
-    which a cold disk serves faster than several threads reading parts of one file at once.
+    which a cold disk serves faster than several threads reading parts of one file at once. A
+    shard whose first run the page cache holds is read on this thread alone.
 
     Runs of adjacent chunks are read into one reused buffer, each chunk's crc32c checked and
     its part of the box copied out: one copy fewer than TensorStore's read path, which decodes
@@ -570,13 +587,19 @@ def read_box(
         copy them out; with ``prefetch``, the reads go ahead on a thread of their own."""
         nonlocal buffer
         sizes = [sum(c[3] for c in run) for run in runs]
-        if prefetch and len(runs) > 1:
-            _prefetched(fd, key, runs, sizes, lambda run, data: check(key, origin, run, data))
-            return sum(sizes)
         if len(buffer) < max(sizes):
             # Room for a whole run, but not 256 KiB for a small array's one chunk of a few bytes.
             buffer = np.empty(max(max(sizes), min(READ_RUN_BYTES, 16 * (chunk_bytes + 4))), np.uint8)
-        for run, total in zip(runs, sizes):
+        first = 0
+        if prefetch and len(runs) > 1:
+            # A file the page cache holds is read on this thread: reading ahead would only add
+            # a hand-off per run (a warm 65 MB tensor in 4 shards: 0.016-0.017 s, 0.011 s without).
+            if not _read_cached(fd, buffer[: sizes[0]], runs[0][0][2]):
+                _prefetched(fd, key, runs, sizes, lambda run, data: check(key, origin, run, data))
+                return sum(sizes)
+            check(key, origin, runs[0], buffer[: sizes[0]])
+            first = 1
+        for run, total in zip(runs[first:], sizes[first:]):
             if os.preadv(fd, [buffer[:total]], run[0][2]) != total:
                 raise Damaged(False, f"inner chunk {run[0][0]} of shard {key} is cut short")
             check(key, origin, run, buffer[:total])

@@ -160,16 +160,22 @@ def test_a_large_read_in_one_shard_streams_through_it_into_the_result(tmp_path, 
     assert got.tobytes() == view.tobytes() and len(targets) == 1 and targets[0] is got
 
 
-def test_a_large_read_over_several_shards_goes_in_row_pieces(monkeypatch):
-    """A large read over several shard files is cut into concurrent row pieces on the inner
-    chunk grid, each read straight into its rows of the result, together covering the box once
-    (the golden checkpoint's embedding: 5 rows in shards of 3 and 2, with the threshold lowered)."""
+def _record_reads(monkeypatch) -> list:
+    """Every ``_store.read_box`` call of the reader, as (box, out, keywords); large reads from 1 byte."""
     from layoutckpt import _reader, _store
 
-    pieces = []
+    calls = []
     read_box = _store.read_box
-    monkeypatch.setattr(_store, "read_box", lambda *a, **k: pieces.append((*a[-2:], k)) or read_box(*a, **k))
+    monkeypatch.setattr(_store, "read_box", lambda *a, **k: calls.append((*a[-2:], k)) or read_box(*a, **k))
     monkeypatch.setattr(_reader, "PIECEWISE_BYTES", 1)
+    return calls
+
+
+def test_a_large_read_over_several_shards_reads_each_shard_as_one_stream(monkeypatch):
+    """A large read over several shard files goes shard by shard, each part read front to back
+    with prefetch straight into its rows of the result, the parts covering the box once (the
+    golden checkpoint's embedding: 5 rows in shards of 3 and 2, with the threshold lowered)."""
+    pieces = _record_reads(monkeypatch)
     rd = lc.open(GOLDEN)
     info = rd.info("model.embed.weight")
     assert info.shard_shape[0] < info.shape[0]
@@ -177,13 +183,40 @@ def test_a_large_read_over_several_shards_goes_in_row_pieces(monkeypatch):
     got = rd.read("model.embed.weight")
 
     assert got.tobytes() == rd.tensorstore("model.embed.weight").read().result().tobytes()
-    box = tuple((0, n) for n in info.shape)
-    assert len(pieces) > 1 and all(np.shares_memory(out, got) and k == {} for _, out, k in pieces)
-    assert [p[1:] for p, _, _ in pieces] == [box[1:]] * len(pieces)
-    rows = [p[0] for p, _, _ in pieces]
+    assert len(pieces) == -(-info.shape[0] // info.shard_shape[0])
+    assert all(np.shares_memory(out, got) and k == {"prefetch": True} for _, out, k in pieces)
+    assert [p[1:] for p, _, _ in pieces] == [((0, info.shape[1]),)] * len(pieces)
+    rows = sorted(p[0] for p, _, _ in pieces)
     assert rows[0][0] == 0 and rows[-1][1] == info.shape[0]
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
-    assert all(start % info.inner_chunk_shape[0] == 0 for start, _ in rows[1:])
+    assert all(a[1] == b[0] == b[0] // info.shard_shape[0] * info.shard_shape[0] for a, b in itertools.pairwise(rows))
+
+
+def test_a_large_read_over_a_2d_shard_grid_reads_each_shard_once(ranks, tmp_path, monkeypatch):
+    """A box over 2 x 2 shards (rows by dp, columns by tp) is read as 4 parts, each into its
+    block of the result (not contiguous in it), bit-exact and with only the chunks it needs."""
+    path = str(tmp_path / "ck")
+    shape = (64, 96)
+    assert ranks.run(_save, 4, path, shape, {"dp": 2, "tp": 2}, ("dp", "tp"), 1024) == [0] * 4
+    pieces = _record_reads(monkeypatch)
+    rd = lc.open(path)
+    info = rd.info("w")
+    assert info.shard_shape == (32, 48)
+    box = ((16, 48), (24, 72))
+    index = tuple(slice(a, b) for a, b in box)
+
+    before = bytes_read()
+    got = rd.read("w", index)
+    fetched = bytes_read() - before
+
+    assert np.array_equal(got, full_array(shape).numpy()[index])
+    assert sorted(p for p, _, _ in pieces) == [
+        ((16, 32), (24, 48)),
+        ((16, 32), (48, 72)),
+        ((32, 48), (24, 48)),
+        ((32, 48), (48, 72)),
+    ]
+    assert all(np.shares_memory(out, got) and k == {"prefetch": True} for _, out, k in pieces)
+    check(info, box, fetched, index)
 
 
 @pytest.mark.parametrize(

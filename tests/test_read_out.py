@@ -94,7 +94,7 @@ def test_read_into_out_from_an_object_store(tmp_path, size):
     assert np.array_equal(out, x.numpy()[1:-1])
 
 
-def test_read_of_the_golden_checkpoint_into_out_in_row_pieces(monkeypatch):
+def test_read_of_the_golden_checkpoint_into_out_shard_by_shard(monkeypatch):
     """The multi-shard path of a checkpoint written by an earlier version."""
     monkeypatch.setattr(_reader, "PIECEWISE_BYTES", 1)
     rd = lc.open(GOLDEN)

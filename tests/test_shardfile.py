@@ -114,14 +114,22 @@ def test_short_writes_are_resumed_where_they_stopped(tmp_path, monkeypatch):
     assert (tmp_path / "short" / key).read_bytes() == (tmp_path / "whole" / key).read_bytes()
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["cold", "cached"])
 @pytest.mark.parametrize(("shape", "shard", "inner", "dtype"), CASES)
 @pytest.mark.parametrize(
     "box_of", [lambda s: tuple((0, n) for n in s), lambda s: tuple((n // 3, n - n // 4) for n in s)]
 )
-def test_prefetched_reads_give_the_same_array_and_bytes(tmp_path, shape, shard, inner, dtype, box_of):
+def test_prefetched_reads_give_the_same_array_and_bytes(
+    tmp_path, monkeypatch, shape, shard, inner, dtype, box_of, cached
+):
     """``read_box(prefetch=True)`` reads each shard's runs on a thread of its own, ahead of the
-    checks: the same elements and the same bytes read as the plain path, every shard file read
-    front to back."""
+    checks, or on the caller's where the page cache holds the file: the same elements and the
+    same bytes read as the plain path either way, every shard file read front to back."""
+    # Cached: the first run read at once, as a file system that tells (ext4, xfs) gives it.
+    read_now = _shardfile.os.preadv
+    monkeypatch.setattr(
+        _shardfile, "_read_cached", lambda fd, view, at: cached and read_now(fd, [view], at) == len(view)
+    )
     meta = _meta(shape, shard, inner, dtype)
     array = _array(shape, dtype)
     for cell in _shardfile.grid_cells(shape, shard):
@@ -146,6 +154,7 @@ def test_prefetched_reads_run_ahead_on_their_own_thread_and_stop_at_damage(tmp_p
     array = _array(shape, dtype)
     _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
     monkeypatch.setattr(_shardfile, "READ_RUN_BYTES", 4 * 48 * 4)
+    monkeypatch.setattr(_shardfile, "_read_cached", lambda *a: False)  # as if the file were cold
     readers = []
     real = _shardfile.os.preadv
     monkeypatch.setattr(
@@ -167,3 +176,60 @@ def test_prefetched_reads_run_ahead_on_their_own_thread_and_stop_at_damage(tmp_p
         _shardfile.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True)
     assert not any(t.name == "layoutckpt-read-ahead" for t in threading.enumerate())
     assert 6 <= len(readers) <= 6 + _shardfile.PREFETCH_DEPTH  # it stopped soon after
+
+
+def test_a_file_the_page_cache_holds_is_read_on_the_callers_thread(tmp_path, monkeypatch):
+    """Where the first run comes from the page cache without waiting, the shard is read on the
+    caller's thread, the first run not read twice; where it does not, on the read-ahead thread."""
+    import threading
+
+    shape, shard, inner, dtype = (64, 48), (64, 48), (4, 48), "float32"  # 16 runs of one chunk
+    meta = _meta(shape, shard, inner, dtype)
+    array = _array(shape, dtype)
+    _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
+    monkeypatch.setattr(_shardfile, "READ_RUN_BYTES", 4 * 48 * 4)
+    readers = []
+    real = _shardfile.os.preadv
+    monkeypatch.setattr(
+        _shardfile.os,
+        "preadv",
+        lambda fd, bufs, at, *flags: readers.append((threading.current_thread().name, at)) or real(fd, bufs, at),
+    )
+    for cached in (True, False):
+        monkeypatch.setattr(
+            _shardfile, "_read_cached", lambda fd, view, at, cached=cached: cached and real(fd, [view], at) == len(view)
+        )
+        readers.clear()
+        out = np.empty_like(array)
+        _shardfile.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True)
+        assert out.tobytes() == array.tobytes()
+        names = {name for name, _ in readers}
+        assert names == ({threading.current_thread().name} if cached else {"layoutckpt-read-ahead"})
+        assert len(readers) == (15 if cached else 16) and len({at for _, at in readers}) == len(readers)
+
+
+def test_read_cached_reads_only_what_the_page_cache_holds(tmp_path):
+    """``_read_cached`` fills the buffer from a file in the page cache and refuses one that was
+    dropped from it; a file system that cannot tell (tmpfs) always refuses."""
+    import errno
+    import os
+
+    data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages, which the eviction below can drop
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+            tells = True
+        except OSError as err:
+            assert err.errno == errno.EOPNOTSUPP
+            tells = False
+        view = np.zeros_like(data)
+        assert _shardfile._read_cached(fd, view, 0) is tells
+        assert not tells or view.tobytes() == data.tobytes()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert _shardfile._read_cached(fd, np.zeros_like(data), 0) is False
+    finally:
+        os.close(fd)
