@@ -191,24 +191,28 @@ def test_a_large_read_over_several_shards_reads_each_shard_as_one_stream(monkeyp
     assert all(a[1] == b[0] == b[0] // info.shard_shape[0] * info.shard_shape[0] for a, b in itertools.pairwise(rows))
 
 
-def test_a_large_read_over_a_2d_shard_grid_reads_each_shard_once(ranks, tmp_path, monkeypatch):
-    """A box over 2 x 2 shards (rows by dp, columns by tp) is read as 4 parts, each into its
-    block of the result (not contiguous in it), bit-exact and with only the chunks it needs."""
-    path = str(tmp_path / "ck")
-    shape = (64, 96)
-    assert ranks.run(_save, 4, path, shape, {"dp": 2, "tp": 2}, ("dp", "tp"), 1024) == [0] * 4
-    pieces = _record_reads(monkeypatch)
+def _save_then_read(ranks, path: str, shape, axes, spec, box) -> tuple[lc.ArrayInfo, np.ndarray]:
+    """``full_array(shape)`` saved by 4 ranks, then ``box`` of it read by this process: equal
+    to the source, and no more bytes fetched than the chunks it overlaps and their indexes."""
+    assert ranks.run(_save, 4, path, shape, axes, spec, 1024) == [0] * 4
     rd = lc.open(path)
     info = rd.info("w")
-    assert info.shard_shape == (32, 48)
-    box = ((16, 48), (24, 72))
     index = tuple(slice(a, b) for a, b in box)
-
     before = bytes_read()
     got = rd.read("w", index)
     fetched = bytes_read() - before
-
     assert np.array_equal(got, full_array(shape).numpy()[index])
+    check(info, box, fetched, index)
+    return info, got
+
+
+def test_a_large_read_over_a_2d_shard_grid_reads_each_shard_once(ranks, tmp_path, monkeypatch):
+    """A box over 2 x 2 shards (rows by dp, columns by tp) is read as 4 parts, each into its
+    block of the result (not contiguous in it), bit-exact and with only the chunks it needs."""
+    pieces = _record_reads(monkeypatch)
+    box = ((16, 48), (24, 72))
+    info, got = _save_then_read(ranks, str(tmp_path / "ck"), (64, 96), {"dp": 2, "tp": 2}, ("dp", "tp"), box)
+    assert info.shard_shape == (32, 48)
     assert sorted(p for p, _, _ in pieces) == [
         ((16, 32), (24, 48)),
         ((16, 32), (48, 72)),
@@ -216,7 +220,6 @@ def test_a_large_read_over_a_2d_shard_grid_reads_each_shard_once(ranks, tmp_path
         ((32, 48), (48, 72)),
     ]
     assert all(np.shares_memory(out, got) and k == {"prefetch": True} for _, out, k in pieces)
-    check(info, box, fetched, index)
 
 
 @pytest.mark.parametrize(
@@ -245,20 +248,10 @@ def test_partial_read_fetches_only_the_chunks_it_needs(tmp_path, shape, inner):
 
 
 def test_partial_read_of_a_multi_rank_checkpoint_reads_only_the_shards_it_needs(ranks, tmp_path):
-    path = str(tmp_path / "ck")
-    shape, axes = (512, 1024), {"tp": 4}
-    assert ranks.run(_save, 4, path, shape, axes, ("tp", None), 1024) == [0] * 4
-    rd = lc.open(path)
-    info = rd.info("w")
-    assert info.shard_shape == (128, 1024)
     # Rows 64..192 straddle shards 0 and 1 (of 4): only those two indexes and their chunks.
     box = ((64, 192), (256, 768))
-    index = tuple(slice(a, b) for a, b in box)
-    before = bytes_read()
-    got = rd.read("w", index)
-    fetched = bytes_read() - before
-    assert np.array_equal(got, full_array(shape).numpy()[index])
-    check(info, box, fetched, index)
+    info, _ = _save_then_read(ranks, str(tmp_path / "ck"), (512, 1024), {"tp": 4}, ("tp", None), box)
+    assert info.shard_shape == (128, 1024)
 
 
 # ----------------------------------------------------------------------------- (b) resharded loads
