@@ -296,12 +296,10 @@ def _row_pieces(box: Box, rows: int) -> list[Box]:
 # of them through TensorStore, one per shard file from a local checkpoint.
 PIECEWISE_BYTES = 8 << 20
 PIECES = 8
-# Threads reading the shard files of one large box of a local checkpoint, whatever the core
-# count: a thread mostly waits for the disk, and a cold disk serves more requests in flight
-# faster. A cold read of a 65 MB tensor in 4 shards, on 2 cores, in row pieces: 0.059 s with 4
-# threads, 0.069 s with 2 (the number of shard writers, ``_shardfile.THREADS``), 30 reads of
-# each alternated; one prefetching thread per shard file: 0.031-0.034 s with 4 threads,
-# 0.034 s with 2.
+# Shard files of one large box of a local checkpoint read at once, whatever the core count:
+# their threads mostly wait for the disk, and a cold disk serves more streams in flight faster.
+# A cold read of a 65 MB tensor in 4 shards, on 2 cores: 0.031-0.033 s with 4 at once, 0.034 s
+# with 2 (the number of shard writers, ``_shardfile.THREADS``), 16 reads of each alternated.
 READ_THREADS = 4
 
 
