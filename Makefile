@@ -30,6 +30,7 @@ demo: venv
 test: venv
 	$(BIN)/ruff check layoutckpt tests examples benchmarks docs/doctest_blocks.py
 	$(BIN)/ruff format --check layoutckpt tests examples benchmarks docs/doctest_blocks.py
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml

@@ -46,7 +46,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
 
     import layoutckpt as lc
-    from layoutckpt import _staging
+    from layoutckpt.torch import _staging
 
     torch.set_num_threads(opts["threads"])
     dist.init_process_group("gloo", init_method=f"file://{opts['init_file']}", rank=rank, world_size=world)

@@ -458,7 +458,7 @@ class _Rank:
         import jax
         import orbax.checkpoint as ocp
 
-        from layoutckpt._tensors import to_numpy
+        from layoutckpt.torch._tensors import to_numpy
 
         jax.config.update("jax_enable_x64", True)  # int64 steps stay int64, as in the other systems
         state = {k: jax.device_put(to_numpy(v)) for k, v in self.flat.items()}
@@ -639,7 +639,7 @@ class _Rank:
         # so that peak RSS counts what the load itself holds.
         self.dcp_state = self.flat = self.state = self.memcpy_dsts = None
         try:
-            from layoutckpt import _staging
+            from layoutckpt.torch import _staging
 
             for pool in list(getattr(_staging, "_POOLS", {}).values()):
                 pool.clear()
@@ -682,7 +682,7 @@ class _Rank:
         elif key == "orbax_load":
             import numpy as np
 
-            from layoutckpt._tensors import from_numpy
+            from layoutckpt.torch._tensors import from_numpy
 
             self.digests[key] = digest({k: from_numpy(np.asarray(v), str(v.dtype)) for k, v in value.items()})
 

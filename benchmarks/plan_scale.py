@@ -51,10 +51,11 @@ from typing import Any
 import attrs
 import numpy as np
 
-from layoutckpt import Layout, Mesh, P, _plan
-from layoutckpt._format import ArrayMeta, CheckpointMeta, parse_root_document, root_document
-from layoutckpt._spec import check_spec
-from layoutckpt._tree import flatten, name_to_path
+from layoutckpt import Layout, Mesh, P
+from layoutckpt.format._format import ArrayMeta, CheckpointMeta, parse_root_document, root_document
+from layoutckpt.layout import _plan
+from layoutckpt.layout._spec import check_spec
+from layoutckpt.layout._tree import flatten, name_to_path
 
 KB, MB = 1 << 10, 1 << 20
 INNER_CHUNK_BYTES = 2 << 20  # layoutckpt's default

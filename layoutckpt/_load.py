@@ -16,19 +16,22 @@ from typing import Any
 
 import numpy as np
 
-from . import _fetch, _flat, _plan, _rankstate, _store
-from ._dist import check_mesh, comm_for
-from ._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
-from ._dtypes import numpy_dtype
-from ._errors import TemplateMismatchError
-from ._flat import Flat
-from ._format import ArrayMeta
-from ._futures import LoadFuture
-from ._layout import Layout
-from ._location import LocalDir, locate
-from ._metrics import LOAD_PHASES, Metrics, Phases, report
-from ._spec import P, check_spec
-from ._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
+from .base._errors import TemplateMismatchError
+from .base._futures import LoadFuture
+from .base._metrics import LOAD_PHASES, Metrics, Phases, report
+from .engine import _fetch
+from . import _rankstate
+from .format._dtypes import numpy_dtype
+from .format._format import ArrayMeta
+from .layout import _flat, _plan
+from .layout._flat import Flat
+from .layout._layout import Layout
+from .layout._spec import P, check_spec
+from .layout._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
+from .storage import _store
+from .storage._location import LocalDir, locate
+from .torch._dist import check_mesh, comm_for
+from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 
 Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
 
@@ -106,8 +109,8 @@ def load_async(
     bytes and requests. Bad input (a template or layout that does not fit) raises here, before
     any byte is read.
     """
-    from ._tensors import from_numpy, torch_dtype
-    from ._torch import installed, is_tensor, torch
+    from .torch._tensors import from_numpy, torch_dtype
+    from .torch._torch import installed, is_tensor, torch
 
     t0 = time.perf_counter()
     phases = Phases()
@@ -357,13 +360,13 @@ def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...]
             f"array {name!r}: the template holds a {type(target).__name__} there, but the checkpoint "
             "stores an array; put a tensor (a 'meta' tensor is fine) in the template"
         )
-    from ._tensors import zarr_name_of
-    from ._torch import is_tensor
+    from .torch._tensors import zarr_name_of
+    from .torch._torch import is_tensor
 
     if is_tensor(target):
         dtype = zarr_name_of(target.dtype)
     else:
-        from ._dtypes import NUMPY_TO_ZARR
+        from .format._dtypes import NUMPY_TO_ZARR
 
         dtype = NUMPY_TO_ZARR.get(np.dtype(target.dtype))
     if tuple(target.shape) != local:

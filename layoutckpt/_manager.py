@@ -30,15 +30,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _store
-from ._dist import comm_for
-from ._errors import CheckpointNotFoundError, ManagerLockedError
-from ._futures import SaveFuture
-from ._layout import Layout
 from ._load import Select, load, load_rank_state
-from ._location import MARKER, KvPrefix, LocalDir, Location, locate
 from ._reader import Reader
 from ._save import SaveResult, save, save_async
+from .base._errors import CheckpointNotFoundError, ManagerLockedError
+from .base._futures import SaveFuture
+from .layout._layout import Layout
+from .storage import _store
+from .storage._location import MARKER, KvPrefix, LocalDir, Location, locate
+from .torch._dist import comm_for
 
 _STEP = re.compile(r"^step_(\d+)$")
 STEP_PREFIX = "step_"

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._dtypes import numpy_dtype, zarr_name
-from ._errors import FormatError, WorldSizeError
-from ._tree import _encode_value, decode_value
+from .base._errors import FormatError, WorldSizeError
+from .layout._tree import _encode_value, decode_value
+from .format._dtypes import numpy_dtype, zarr_name
 
 if TYPE_CHECKING:
-    from ._location import Location
+    from .storage._location import Location
 
 DIR = ".rank_state"
 # A document is read whole on every load; bulk data belongs in arrays.
@@ -76,7 +76,7 @@ def _as_array(x: Any) -> tuple[np.ndarray, str] | None:
 
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        from ._tensors import to_numpy
+        from .torch._tensors import to_numpy
 
         return to_numpy(x.detach().cpu()), "torch"
     return None
@@ -94,10 +94,10 @@ def decode(node: Any) -> Any:
     if "ndarray" in node:
         a = node["ndarray"]
         data = np.frombuffer(base64.b64decode(a["base64"]), dtype=numpy_dtype(a["dtype"])).reshape(a["shape"]).copy()
-        from ._torch import installed
+        from .torch._torch import installed
 
         if a["kind"] == "torch" and installed():  # without torch, NumPy as lc.load gives
-            from ._tensors import from_numpy
+            from .torch._tensors import from_numpy
 
             return from_numpy(data, a["dtype"])
         return data

@@ -17,19 +17,21 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
+from .base._errors import TemplateMismatchError
+
 # _shardfile is not used here, only imported: the order in which the C extensions load decides
 # the order of their teardown at exit, and without this import gloo ranks aborted now and then
 # as they exited (``_format._parse_helpers``).
-from . import _rankstate, _shardfile, _store  # noqa: F401
-from ._dtypes import numpy_dtype
-from ._errors import TemplateMismatchError
-from ._format import ArrayMeta, CheckpointMeta
-from ._location import LocalDir, locate
-from ._plan import Box
-from ._spec import Mesh, P
-from ._tensors import to_numpy
-from ._torch import is_tensor
-from ._tree import decode_value, leaf_nodes
+from . import _rankstate
+from .format._dtypes import numpy_dtype
+from .format._format import ArrayMeta, CheckpointMeta
+from .layout._plan import Box
+from .layout._spec import Mesh, P
+from .layout._tree import decode_value, leaf_nodes
+from .storage import _shardfile, _store  # noqa: F401
+from .storage._location import LocalDir, locate
+from .torch._tensors import to_numpy
+from .torch._torch import is_tensor
 
 
 @attrs.frozen

@@ -19,16 +19,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from . import _plan, _store
-from ._dtypes import numpy_dtype
-from ._errors import FormatError, InvalidNameError, LayoutError
-from ._format import COMPRESSIONS, ArrayMeta, CheckpointMeta, root_document
-from ._layout import Layout
 from ._load import Select, _selector
-from ._location import LocalDir, locate
-from ._plan import Box
 from ._reader import Reader
-from ._safetensors_format import (
+from ._save import _check_user_metadata, _write_skeleton
+from .base._errors import FormatError, InvalidNameError, LayoutError
+from .base._version import __version__
+from .format._dtypes import numpy_dtype
+from .format._format import COMPRESSIONS, ArrayMeta, CheckpointMeta, root_document
+from .format._safetensors_format import (
     ZARR_TO_SAFETENSORS,
     SafetensorsHeader,
     TensorEntry,
@@ -37,11 +35,14 @@ from ._safetensors_format import (
     place,
     read_header,
 )
-from ._save import _check_user_metadata, _write_skeleton
-from ._shardfile import grid_cells, write_shard
-from ._spec import P, check_spec
-from ._tree import check_no_prefix_clash, name_to_path
-from ._version import __version__
+from .layout import _plan
+from .layout._layout import Layout
+from .layout._plan import Box
+from .layout._spec import P, check_spec
+from .layout._tree import check_no_prefix_clash, name_to_path
+from .storage import _store
+from .storage._location import LocalDir, locate
+from .storage._shardfile import grid_cells, write_shard
 
 # Bytes of an array held at once when exporting (one C-order block, written whole).
 BLOCK_BYTES = 16 << 20

@@ -20,24 +20,26 @@ from typing import Any
 import attrs
 import numpy as np
 
-from . import _flat, _plan, _rankstate, _shardfile, _store
-from ._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
-from ._dtensor import default_mesh, is_dtensor, sharding_of
-from ._dtypes import zarr_name
-from ._errors import InconsistentShardsError, SaveError
-from ._flat import Flat
-from ._format import ArrayMeta, CheckpointMeta, group_document, root_document
-from ._futures import SaveFuture, swap_in_flight, wait_previous
-from ._layout import Layout
-from ._location import LocalDir, Location, locate
-from ._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
-from ._spec import Mesh, P, check_spec
-from ._staging import Staged, side_stream, stage_all
-from ._tensors import tensor_zarr_dtype
-from ._torch import is_tensor
-from ._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, retarget
-from ._version import __version__
-from ._workers import Workers
+from .base._errors import InconsistentShardsError, SaveError
+from .base._futures import SaveFuture, swap_in_flight, wait_previous
+from .base._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
+from .base._version import __version__
+from .base._workers import Workers
+from . import _rankstate
+from .format._dtypes import zarr_name
+from .format._format import ArrayMeta, CheckpointMeta, group_document, root_document
+from .layout import _flat, _plan
+from .layout._flat import Flat
+from .layout._layout import Layout
+from .layout._spec import Mesh, P, check_spec
+from .layout._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, retarget
+from .storage import _shardfile, _store
+from .storage._location import LocalDir, Location, locate
+from .torch._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
+from .torch._dtensor import default_mesh, is_dtensor, sharding_of
+from .torch._staging import Staged, side_stream, stage_all
+from .torch._tensors import tensor_zarr_dtype
+from .torch._torch import is_tensor
 
 DEFAULT_INNER_CHUNK_BYTES = 2 << 20
 
@@ -572,7 +574,7 @@ def _flat_writes(
         return []
     import torch
 
-    from ._tensors import from_numpy
+    from .torch._tensors import from_numpy
 
     out: list[tuple[str, _plan.Box, Any]] = []
     sends: list[tuple[int, int, Any]] = []

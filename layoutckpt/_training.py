@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._layout import Layout
 from ._load import load
+from .layout._layout import Layout
 
 
 def _optimizers(optimizer: Any) -> tuple[Any, ...]:

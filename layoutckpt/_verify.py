@@ -23,11 +23,12 @@ from typing import Any
 
 import attrs
 
-from . import _readplan, _store
-from ._errors import FormatError, IntegrityError
-from ._plan import Box, box_shape, chunks_touched
 from ._reader import Reader
-from ._shardfile import grid_cells
+from .base._errors import FormatError, IntegrityError
+from .engine import _readplan
+from .layout._plan import Box, box_shape, chunks_touched
+from .storage import _store
+from .storage._shardfile import grid_cells
 
 BUDGET_BYTES = 64 << 20
 

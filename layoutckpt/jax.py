@@ -34,13 +34,15 @@ import numpy as np
 import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from . import _fetch, _plan, _store
-from ._errors import LayoutError, TemplateMismatchError
 from ._load import Select, _selector
-from ._plan import Box
 from ._reader import ArrayInfo, Reader
-from ._spec import P
-from ._tree import decode_value, leaf_nodes, unflatten
+from .base._errors import LayoutError, TemplateMismatchError
+from .engine import _fetch
+from .layout import _plan
+from .layout._plan import Box
+from .layout._spec import P
+from .layout._tree import decode_value, leaf_nodes, unflatten
+from .storage import _store
 
 __all__ = ["load", "load_array"]
 

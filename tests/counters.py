@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorstore as ts
 
-from layoutckpt import _shardfile
+from layoutckpt.storage import _shardfile
 
 TENSORSTORE_COUNTER = "/tensorstore/kvstore/file/bytes_read"
 

@@ -238,7 +238,9 @@ class _CommitComm:
 
 def install_hooks(rank: int, kill_at: str | None, kill_rank: int) -> None:
     """Trace every phase on this rank; in the ``kill_rank`` process, also die at ``kill_at``."""
-    from layoutckpt import _manager, _save, _shardfile, _staging, _store
+    from layoutckpt import _manager, _save
+    from layoutckpt.storage import _shardfile, _store
+    from layoutckpt.torch import _staging
 
     kill = kill_at if rank == kill_rank else None
 

@@ -1,4 +1,4 @@
-"""The tests' own account of torch.chunk sharding, written apart from ``layoutckpt._plan``.
+"""The tests' own account of torch.chunk sharding, written apart from ``layoutckpt.layout._plan``.
 
 Expected values come from here, so a planner bug cannot also hide in the expectation.
 """

@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 import layoutckpt as lc
-from layoutckpt import _store
+from layoutckpt.storage import _store
 
 
 def _takes_concurrency() -> list:

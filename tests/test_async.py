@@ -26,7 +26,9 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt import _save, _shardfile, _staging, _store
+from layoutckpt import _save
+from layoutckpt.storage import _shardfile, _store
+from layoutckpt.torch import _staging
 
 from .oracle import local_shard
 

@@ -25,7 +25,8 @@ from safetensors.numpy import save_file
 from safetensors.torch import load_file
 
 import layoutckpt as lc
-from layoutckpt import _cli, _readplan
+from layoutckpt.cli import _main as _cli
+from layoutckpt.engine import _readplan
 
 from .counters import bytes_read
 
@@ -537,7 +538,7 @@ def test_the_installed_script_is_quiet_in_a_pipe_and_shows_progress_when_asked(s
 NO_TORCH = """
 import contextlib, io, sys
 sys.modules["torch"] = None  # as if torch were not installed
-from layoutckpt._cli import main
+from layoutckpt.cli._main import main
 results = []
 for argv in {argvs!r}:
     out = io.StringIO()

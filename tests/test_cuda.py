@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt import _staging
+from layoutckpt.torch import _staging
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

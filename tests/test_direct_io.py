@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt import _shardfile, _store
-from layoutckpt._format import ArrayMeta
-from layoutckpt._layout import P
+from layoutckpt.format._format import ArrayMeta
+from layoutckpt.layout._layout import P
+from layoutckpt.storage import _shardfile, _store
 
 BLOCK = 8192  # DIRECT_BYTES in these tests: two aligned blocks, so a shard spans several writes
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import layoutckpt as lc
-from layoutckpt import _flat
+from layoutckpt.layout import _flat
 
 from .multirank import RankPool
 

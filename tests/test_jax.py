@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as JP
 
 import layoutckpt as lc
 import layoutckpt.jax as lcj
-from layoutckpt import _fetch
+from layoutckpt.engine import _fetch
 
 from .counters import bytes_read
 

@@ -19,7 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import layoutckpt as lc
-from layoutckpt import _manager, _save, _store
+from layoutckpt import _manager, _save
+from layoutckpt.storage import _store
 
 from .oracle import local_shard
 

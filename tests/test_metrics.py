@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt import _fetch, _shardfile
+from layoutckpt.engine import _fetch
+from layoutckpt.storage import _shardfile
 
 MB = 1 << 20
 

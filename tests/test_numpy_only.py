@@ -79,7 +79,7 @@ def test_cli_without_torch(tmp_path):
     path = _checkpoint(tmp_path)
     proc = _run(
         """
-        from layoutckpt._cli import main
+        from layoutckpt.cli._main import main
         raise SystemExit(main(["ls", sys.argv[1], "--json"]))
         """,
         str(path),
@@ -88,7 +88,7 @@ def test_cli_without_torch(tmp_path):
     assert "w" in json.dumps(listing) and "bfloat16" in json.dumps(listing)
     proc = _run(
         """
-        from layoutckpt._cli import main
+        from layoutckpt.cli._main import main
         raise SystemExit(main(["verify", sys.argv[1]]))
         """,
         str(path),
@@ -96,7 +96,7 @@ def test_cli_without_torch(tmp_path):
     out = tmp_path / "part.npy"
     _run(
         """
-        from layoutckpt._cli import main
+        from layoutckpt.cli._main import main
         raise SystemExit(main(["read", sys.argv[1], "w", "--slice", "0:8,:", "--out", sys.argv[2]]))
         """,
         str(path),

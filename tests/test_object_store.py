@@ -21,7 +21,7 @@ import tensorstore as ts
 import torch
 
 import layoutckpt as lc
-from layoutckpt._location import PENDING, KvPrefix, locate
+from layoutckpt.storage._location import PENDING, KvPrefix, locate
 
 from .s3server import S3Server
 
@@ -129,7 +129,7 @@ def test_s3_failed_save_on_one_rank_leaves_nothing(ranks, s3):
 _KILLED_SAVE = textwrap.dedent(
     """
     import os, signal, numpy as np, layoutckpt as lc
-    from layoutckpt._location import KvPrefix
+    from layoutckpt.storage._location import KvPrefix
 
     def die(self, staging, marker, *, overwrite):  # every array is written; the marker is next
         os.kill(os.getpid(), signal.SIGKILL)
@@ -241,7 +241,7 @@ def test_manager_on_s3_lists_retains_and_resumes(s3):
 
 
 def test_request_concurrency_and_retries_are_configurable(monkeypatch, tmp_path):
-    from layoutckpt import _store
+    from layoutckpt.storage import _store
 
     monkeypatch.setenv("LAYOUTCKPT_MAX_RETRIES", "3")
     spec = _store.context(concurrency=8).spec.to_json()

@@ -213,7 +213,7 @@ def test_compressed_checkpoints_round_trip_and_open_in_plain_zarr(ranks, tmp_pat
 
 def _save_through_tensorstore(rank, group, path):
     """``_save`` with every shard written by TensorStore, as on an object store."""
-    from layoutckpt import _plan
+    from layoutckpt.layout import _plan
 
     real = _plan.shard_cell
     _plan.shard_cell = lambda *args: None

@@ -1,4 +1,4 @@
-"""Property tests of the pure planner (``layoutckpt._plan``).
+"""Property tests of the pure planner (``layoutckpt.layout._plan``).
 
 Expectations are computed independently of ``_plan``: mesh coordinates with
 ``np.unravel_index`` (row-major), pieces with ``torch.chunk``, tiling by counting cells.
@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import layoutckpt as lc
-from layoutckpt import _plan
+from layoutckpt.layout import _plan
 
 from .oracle import mesh_coords
 

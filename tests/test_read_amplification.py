@@ -122,7 +122,8 @@ def middle_chunks(info: lc.ArrayInfo) -> tuple[tuple[int, int], ...]:
 def test_a_large_read_in_one_shard_streams_through_it_into_the_result(tmp_path, index, monkeypatch):
     """A read of 8 MiB or more that lies in one shard is one prefetching read of that shard
     file, straight into the result: the same array, and no chunk fetched twice."""
-    from layoutckpt import _reader, _store
+    from layoutckpt import _reader
+    from layoutckpt.storage import _store
 
     reads = []  # (box, destination, keywords) of every shard-file read
     read_box = _store.read_box
@@ -162,7 +163,8 @@ def test_a_large_read_in_one_shard_streams_through_it_into_the_result(tmp_path, 
 
 def _record_reads(monkeypatch) -> list:
     """Every ``_store.read_box`` call of the reader, as (box, out, keywords); large reads from 1 byte."""
-    from layoutckpt import _reader, _store
+    from layoutckpt import _reader
+    from layoutckpt.storage import _store
 
     calls = []
     read_box = _store.read_box

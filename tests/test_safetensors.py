@@ -21,9 +21,9 @@ import zarr
 
 import layoutckpt as lc
 from layoutckpt import _safetensors
-from layoutckpt._dtypes import ZARR_TO_NUMPY
 from layoutckpt._safetensors import chunk_pieces, export_safetensors, import_safetensors, row_blocks
-from layoutckpt._safetensors_format import SAFETENSORS_TO_ZARR, ZARR_TO_SAFETENSORS
+from layoutckpt.format._dtypes import ZARR_TO_NUMPY
+from layoutckpt.format._safetensors_format import SAFETENSORS_TO_ZARR, ZARR_TO_SAFETENSORS
 
 
 def sample_state() -> dict[str, torch.Tensor]:

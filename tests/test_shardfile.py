@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layoutckpt import _shardfile
-from layoutckpt._dtypes import numpy_dtype
-from layoutckpt._format import ArrayMeta
-from layoutckpt._layout import P
+from layoutckpt.format._dtypes import numpy_dtype
+from layoutckpt.format._format import ArrayMeta
+from layoutckpt.layout._layout import P
+from layoutckpt.storage import _shardfile
 
 # (array shape, shard shape, inner chunk shape, dtype): chunks contiguous in the shard (whole
 # rows, 1-d, 0-d) and not (column cuts, 3-d blocks), one chunk or many per gather group.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import layoutckpt as lc
-from layoutckpt._layout import parse_spec
+from layoutckpt.layout._layout import parse_spec
 
 
 def test_mesh_coords_are_row_major_and_invert():

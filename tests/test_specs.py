@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt._layout import parse_spec
+from layoutckpt.layout._layout import parse_spec
 
 from .oracle import local_shard as oracle_shard
 

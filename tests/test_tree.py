@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt._tree import decode_value, flatten, leaf_nodes, name_to_path, unflatten
+from layoutckpt.layout._tree import decode_value, flatten, leaf_nodes, name_to_path, unflatten
 
 
 def _rebuild(structure, leaves, keep=None):

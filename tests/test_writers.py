@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from layoutckpt._workers import Workers
+from layoutckpt.base._workers import Workers
 
 THREADS = 2
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from ._errors import LayoutError
+from ..base._errors import LayoutError
 from ._flat import Flat
 from ._spec import Mesh, P
 

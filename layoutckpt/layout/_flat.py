@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 
-from ._errors import LayoutError
+from ..base._errors import LayoutError
 from ._plan import Box
 from ._spec import Mesh, SpecEntry, entry_axes
 

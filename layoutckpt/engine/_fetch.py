@@ -38,10 +38,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ._metrics import InFlight
-from ._plan import Box
-from ._shardfile import THREADS
-from ._store import linux_call
+from ..base._metrics import InFlight
+from ..layout._plan import Box
+from ..storage._shardfile import THREADS
+from ..storage._store import linux_call
 
 PIECE_BYTES = 16 << 20
 BUDGET_BYTES = 96 << 20

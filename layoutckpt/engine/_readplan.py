@@ -26,14 +26,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
+from ..base._errors import LayoutError
+from ..format._dtypes import numpy_dtype
+from ..format._format import ArrayMeta, CheckpointMeta
+from ..layout._layout import Layout
+from ..layout._plan import Box, box_size, chunks_touched, shard_box
+from ..layout._spec import P, check_spec
+from ..layout._tree import leaf_nodes
 from . import _fetch
-from ._dtypes import numpy_dtype
-from ._errors import LayoutError
-from ._format import ArrayMeta, CheckpointMeta
-from ._layout import Layout
-from ._plan import Box, box_size, chunks_touched, shard_box
-from ._spec import P, check_spec
-from ._tree import leaf_nodes
 
 CRC_BYTES = 4  # after every inner chunk, and after every shard index
 INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two uint64 per inner chunk of a shard

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._dtypes import ZARR_TO_NUMPY
+from ..format._dtypes import ZARR_TO_NUMPY
 from ._torch import torch
 
 ZARR_NAMES = (

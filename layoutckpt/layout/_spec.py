@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 
 import attrs
 
-from ._errors import LayoutError
+from ..base._errors import LayoutError
 
 # One entry of a spec: None (not split), an axis name, or axes major-to-minor.
 SpecEntry = None | str | tuple[str, ...]

@@ -23,9 +23,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import LayoutError
-from ._plan import Box, shard_box
-from ._spec import Mesh, P
+from ..base._errors import LayoutError
+from ..layout._plan import Box, shard_box
+from ..layout._spec import Mesh, P
 
 
 def is_dtensor(x: object) -> bool:
@@ -183,7 +183,7 @@ def local_device(like: Any) -> Any:
 
 def sharding_of(dt: Any, name: str, rank: int, group_ranks: Sequence[int], layout: Any = None) -> tuple[Mesh, P]:
     """(root mesh, spec) of a DTensor leaf; a rule of ``layout`` that matches it must agree."""
-    from ._spec import check_spec
+    from ..layout._spec import check_spec
 
     mesh = world_mesh(dt.device_mesh, group_ranks, name)
     spec = spec_of(dt, mesh, name)

@@ -33,16 +33,23 @@ from typing import Any
 
 import numpy as np
 
-from . import _readplan, _store
-from ._dtypes import ZARR_TO_NUMPY, numpy_dtype
-from ._errors import CheckpointNotFoundError, FormatError, IntegrityError, LayoutError, ManagerLockedError
-from ._format import ArrayMeta, CheckpointMeta
-from ._layout import Layout
-from ._plan import Box, box_shape
-from ._reader import Reader
-from ._spec import Mesh
-from ._tree import decode_value
-from ._version import __version__
+from .._reader import Reader
+from ..base._errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    ManagerLockedError,
+)
+from ..base._version import __version__
+from ..engine import _readplan
+from ..format._dtypes import ZARR_TO_NUMPY, numpy_dtype
+from ..format._format import ArrayMeta, CheckpointMeta
+from ..layout._layout import Layout
+from ..layout._plan import Box, box_shape
+from ..layout._spec import Mesh
+from ..layout._tree import decode_value
+from ..storage import _store
 
 PROG = "layoutckpt"
 # Pieces of one array read at once by `read` (each at most ``_fetch.PIECE_BYTES``).
@@ -272,8 +279,8 @@ def root_doc(root: str) -> dict[str, Any] | None:
 
     On an object store only committed steps exist (their markers), with no sizes listed.
     """
-    from ._location import locate
-    from ._manager import _STEP, _committed_steps, leftovers, step_dir
+    from .._manager import _STEP, _committed_steps, leftovers, step_dir
+    from ..storage._location import locate
 
     if not is_local(root):
         found = _committed_steps(locate(root))
@@ -466,7 +473,7 @@ def cmd_read(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ._verify import verify
+    from .._verify import verify
 
     bar = None
 
@@ -624,7 +631,7 @@ def parse_size(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ._safetensors import export_safetensors
+    from .._safetensors import export_safetensors
 
     # A missing checkpoint: one clear line before anything is made.
     with open_checkpoint(args.path) as rd:
@@ -688,7 +695,7 @@ def watch_folder(folder: str, prefix: str, bar: Any, every: float = 0.2) -> Iter
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from ._manager import collect_garbage, leftovers, step_dir, steps_after_cleanup
+    from .._manager import collect_garbage, leftovers, step_dir, steps_after_cleanup
 
     root = args.root
     junk: list[tuple[str, str]] = []

@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from ._errors import WorldSizeError
-from ._spec import Mesh
+from ..base._errors import WorldSizeError
+from ..layout._spec import Mesh
 from ._torch import dist, distributed, torch
 
 

@@ -33,9 +33,9 @@ from typing import Any
 import attrs
 import tensorstore as ts
 
+from ..base._errors import CheckpointExistsError, CheckpointNotFoundError
+from ..base._workers import Workers
 from . import _store
-from ._errors import CheckpointExistsError, CheckpointNotFoundError
-from ._workers import Workers
 
 MARKER = "zarr.json"
 PENDING = ".layoutckpt-pending"

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import tensorstore as ts
 
-from ._errors import IntegrityError
-from ._format import ArrayMeta, CheckpointMeta, parse_root_document
+from ..base._errors import IntegrityError
+from ..format._format import ArrayMeta, CheckpointMeta, parse_root_document
 
 if TYPE_CHECKING:
     from ._location import Location

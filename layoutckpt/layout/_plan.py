@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from ._errors import InconsistentShardsError
+from ..base._errors import InconsistentShardsError
 from ._spec import Mesh, P, SpecEntry, entry_axes
 
 Box = tuple[tuple[int, int], ...]

@@ -45,6 +45,6 @@ def numpy_dtype(name: str) -> np.dtype:
     try:
         return ZARR_TO_NUMPY[name]
     except KeyError:
-        from ._errors import FormatError
+        from ..base._errors import FormatError
 
         raise FormatError(f"unknown stored data type {name!r}; known: {sorted(ZARR_TO_NUMPY)}") from None

@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from ._errors import FormatError, InvalidNameError, NewerFormatError
-from ._spec import Mesh, P
+from ..base._errors import FormatError, InvalidNameError, NewerFormatError
+from ..layout._spec import Mesh, P
 
 FORMAT_VERSION = 2
 ATTRS_KEY = "layoutckpt"
@@ -59,8 +59,8 @@ def _parse_helpers() -> tuple[Mapping[str, Any], Callable[[str], str]]:
     5.6 ms against 3.1 ms). Imported at module level instead, the modules load in another order,
     and gloo ranks then aborted now and then at exit ("terminate called without an active
     exception", about 1 exit in 15 in tests/test_torch_native.py, never in 52 runs before)."""
+    from ..layout._tree import name_to_path
     from ._dtypes import ZARR_TO_NUMPY
-    from ._tree import name_to_path
 
     return ZARR_TO_NUMPY, name_to_path
 
@@ -278,7 +278,7 @@ class CheckpointMeta:
 
 def _check_tree_matches(tree: Any, arrays: Mapping[str, ArrayMeta], where: str) -> None:
     """Every array node of the tree has an entry in ``arrays``, and every entry a node."""
-    from ._tree import leaf_nodes
+    from ..layout._tree import leaf_nodes
 
     try:
         named = [node["array"] for _, node in leaf_nodes(tree) if "array" in node]

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import crc32c
 import numpy as np
 
-from ._plan import Box
+from ..layout._plan import Box
 
 if TYPE_CHECKING:
-    from ._format import ArrayMeta
+    from ..format._format import ArrayMeta
 
 _ABSENT = 2**64 - 1
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import InvalidNameError
+from ..base._errors import InvalidNameError
 
 JSONScalar = None | bool | int | float | str
 

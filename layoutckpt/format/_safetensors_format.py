@@ -17,8 +17,8 @@ from typing import Any
 
 import attrs
 
+from ..base._errors import FormatError
 from ._dtypes import numpy_dtype
-from ._errors import FormatError
 
 # safetensors dtype code -> Zarr data type name, for every type both know.
 SAFETENSORS_TO_ZARR = {

@@ -1,0 +1,3 @@
+"""Where bytes live: locations (local directories, object-store prefixes, memory) with their
+commit protocol, TensorStore's contexts and specs, and the shard files of local checkpoints.
+"""
