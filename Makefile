@@ -1,6 +1,6 @@
 # Two commands set everything up and run it:  make demo  and  make test.
 # Both create .venv (Python 3.11) and install layoutckpt with its test tools on first use.
-# make bench adds the benchmark's extras (matplotlib, safetensors) and runs benchmarks/bench.py.
+# make bench adds the benchmark's extras, runs benchmarks/bench.py and writes its table into docs/performance.md.
 # make docs builds the MkDocs site into site/ (the docs tools come with the test extras).
 
 PYTHON ?= python3.11
@@ -28,8 +28,8 @@ demo: venv
 	$(BIN)/python examples/demo.py
 
 test: venv
-	$(BIN)/ruff check layoutckpt tests examples benchmarks docs/doctest_blocks.py
-	$(BIN)/ruff format --check layoutckpt tests examples benchmarks docs/doctest_blocks.py
+	$(BIN)/ruff check layoutckpt tests tools examples benchmarks docs/doctest_blocks.py
+	$(BIN)/ruff format --check layoutckpt tests tools examples benchmarks docs/doctest_blocks.py
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
@@ -38,7 +38,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	touch $@
 
 bench: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/bench.py --json benchmarks/results/bench.json --plot benchmarks/results/bench.png $(BENCH_ARGS)
+	$(BIN)/python benchmarks/bench.py --json benchmarks/results/bench.json --plot benchmarks/results/bench.png $(BENCH_ARGS) && $(BIN)/python benchmarks/report.py --json benchmarks/results/bench.json --update docs/performance.md
 
 docs: venv
 	$(BIN)/python -m mkdocs build --strict

@@ -26,7 +26,7 @@ def leave_world() -> None:
     and exit without the interpreter's shutdown. torch's gloo threads free a finished
     collective's tensors a moment after it returns; where Python is already shutting down by
     then, the process aborts ("terminate called without an active exception"), about one
-    4-rank world in 40 on two busy cores (``tests/multirank.leave_world`` has the stack)."""
+    4-rank world in 40 on two busy cores (``tests/support/multirank.leave_world`` has the stack)."""
     import sys
 
     import torch.distributed as dist

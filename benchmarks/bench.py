@@ -21,12 +21,14 @@ min-max spread; ``--warmup`` untimed rounds of the writes come first. Reads run 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -946,6 +948,29 @@ def print_table(world: int, summary: dict[str, Any], info: dict[str, Any]) -> No
         )
 
 
+def provenance() -> dict[str, Any]:
+    """The commit this run measures and when it started, for ``report.py``'s stamp on the table.
+    ``commit`` is None outside a git checkout; ``dirty`` says whether files differed from it."""
+
+    def git(*args: str) -> str | None:
+        # GIT_OPTIONAL_LOCKS=0: the status check must not rewrite the index of a checkout in use.
+        env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+        here = os.path.dirname(os.path.abspath(__file__))
+        try:
+            done = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True, env=env, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain") if commit else None
+    return {
+        "commit": commit,
+        "dirty": None if status is None else bool(status),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
 def machine_info(directory: str) -> dict[str, Any]:
     mem = meminfo()
     fs = filesystem_of(directory)
@@ -1057,6 +1082,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     orbax = "installed (measured on rank 0 alone, like safetensors)" if orbax_ok else "not installed"
     results: dict[str, Any] = {
         "command": sys.argv if argv is None else ["bench.py", *argv],
+        **provenance(),
         "options": {**vars(args), "dims": dims, "partial_tensor": PARTIAL_TENSOR, "measurements": measurements},
         "machine": machine,
         "orbax": orbax,

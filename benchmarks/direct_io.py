@@ -1,11 +1,11 @@
-"""Saving past the page cache (``direct_io=True``, the default) against through it.
+"""Saving past the page cache (``IOConfig(direct_io=True)``, the default) against through it.
 
     .venv/bin/python benchmarks/direct_io.py [--gb 2.0] [--ranks 1,2,4] [--repeats 7] [--dir /tmp]
 
 For each N in ``--ranks``, N local gloo ranks hold the bench's training state (``_common``:
 ``--gb`` GB of a Llama-like bf16 model and two fp32 AdamW moments, tensor-parallel over N) and
-save it with ``direct_io=True`` and ``direct_io=False`` in turn, ``--repeats`` times each, so
-the disk's drift over the run falls on both alike. Each save starts after a barrier; the
+save it with ``IOConfig(direct_io=True)`` and ``IOConfig(direct_io=False)`` in turn,
+``--repeats`` times each, so the disk's drift over the run falls on both alike. Each save starts after a barrier; the
 slowest rank's time counts, and the CPU time (user and system) summed over ranks.
 
 Nothing is deleted while the saves run: on ext4 without a journal, every file created in the
@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, root: str, queue) -> 
                 free_output(written[-2], delete=False)
             dist.barrier()
             c0, t0 = os.times(), time.perf_counter()
-            lc.save(path, state, layout, direct_io=direct)
+            lc.save(path, state, layout, io=lc.IOConfig(direct_io=direct))
             elapsed, c1 = time.perf_counter() - t0, os.times()
             written.append(path)
             if rep:

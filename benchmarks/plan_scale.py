@@ -7,7 +7,7 @@ however many ranks there are. In one process, for a Llama-3-70B-like training st
 128256, hidden 8192, 80 layers, 64 heads / 8 kv heads of 128, intermediate 28672, RMSNorms;
 bfloat16 weights and two float32 AdamW moments: 3 arrays per parameter), this measures:
 
-- **save plan, one rank**: what ``_save._start`` computes after its collectives (rule lookup,
+- **save plan, one rank**: what ``_save._plan_globally`` computes after its collectives (rule lookup,
   spec check, global shape, shard and inner chunk shapes, ``ArrayMeta``, the rank's own box
   check, ``CheckpointMeta``, ``_plan.writes_of``), timed with ``time.perf_counter`` (median
   over ``--repeats`` ranks), its peak Python allocation (``tracemalloc``) and the growth of the
@@ -215,7 +215,7 @@ def collectives(s: Scenario) -> Collected:
 
 
 def save_plan(s: Scenario, got: Collected, rank: int) -> tuple[CheckpointMeta, list[tuple[int, _plan.Box]]]:
-    """One rank's save plan, as ``_save._start`` computes it once the collectives are done."""
+    """One rank's save plan, as ``_save._plan_globally`` computes it once the collectives are done."""
     mesh = s.save.mesh
     metas: dict[str, ArrayMeta] = {}
     plan_arrays: list[_plan.ArraySpec] = []

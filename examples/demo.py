@@ -150,17 +150,6 @@ def _init(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
 
-def _leave() -> None:
-    """End a rank whose report is written, skipping the interpreter's shutdown: torch's gloo
-    threads free a finished collective's tensors a moment after it returns, and where Python is
-    already shutting down by then the process aborts ("terminate called without an active
-    exception"), about one 4-rank world in 40 on two busy cores."""
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def save_worker(rank: int, world: int, init_file: str, ckpt: str, reports: str, overwrite: bool) -> None:
     _init(rank, world, init_file)
     try:
@@ -186,10 +175,8 @@ def save_worker(rank: int, world: int, init_file: str, ckpt: str, reports: str, 
             "seconds": result.seconds,
         }
         Path(reports, f"save-{rank}.json").write_text(json.dumps(report))
-    except BaseException:
+    finally:
         dist.destroy_process_group()
-        raise
-    _leave()
 
 
 def resume_worker(rank: int, world: int, init_file: str, ckpt: str, reports: str) -> None:
@@ -211,10 +198,8 @@ def resume_worker(rank: int, world: int, init_file: str, ckpt: str, reports: str
         shapes = {n: list(leaf(state, n).shape) for n in ("model.embed_tokens.weight", "lm_head.weight")}
         report = {"loaded": loaded, "read": read, "seconds": seconds, "mismatches": mismatches, "shapes": shapes}
         Path(reports, f"resume-{rank}.json").write_text(json.dumps(report))
-    except BaseException:
+    finally:
         dist.destroy_process_group()
-        raise
-    _leave()
 
 
 def spawn(fn: Any, world: int, work: Path, tag: str, *args: Any) -> list[dict[str, Any]]:

@@ -86,12 +86,6 @@ def train(rank: int, init: str, root: str, stop_after: int, out: str) -> None:
     with open(f"{out}.{rank}", "w") as f:
         json.dump(losses, f)
     dist.destroy_process_group()
-    # Leave without the interpreter's shutdown: torch's gloo threads free a finished
-    # collective's tensors a moment after it returns, and where Python is shutting down by then
-    # the process aborts ("terminate called without an active exception"), rarely, on busy cores.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run(root: str, stop_after: int, work: str, tag: str) -> dict[int, float]:

@@ -33,6 +33,7 @@ from .base._errors import WorldSizeError as WorldSizeError
 from .base._futures import LoadFuture as LoadFuture
 from .base._futures import SaveFuture as SaveFuture
 from .base._metrics import Metrics as Metrics
+from .base._options import IOConfig as IOConfig
 from .base._version import __version__ as __version__
 from .format._format import FORMAT_VERSION as FORMAT_VERSION
 from .format._zarr_dtypes import register as _register_zarr_dtypes

@@ -12,26 +12,29 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
+import attrs
 import numpy as np
 
+from . import _rankstate
 from .base._errors import TemplateMismatchError
 from .base._futures import LoadFuture
 from .base._metrics import LOAD_PHASES, Metrics, Phases, report
-from .engine import _fetch
-from . import _rankstate
+from .base._options import LoadKeywords, LoadOptions, options_of
+from .engine._read import BackgroundReads, BoxRead
 from .format._dtypes import numpy_dtype
-from .format._format import ArrayMeta
+from .format._format import ArrayMeta, CheckpointMeta
 from .layout import _flat, _plan
 from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._spec import P, check_spec
 from .layout._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 from .storage import _store
-from .storage._location import LocalDir, locate
+from .storage._location import locate
 from .torch._dist import check_mesh, comm_for
 from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
+from .torch._torch import installed, is_tensor
 
 Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
 
@@ -51,17 +54,7 @@ def _selector(select: Select, stored: list[str]) -> set[str] | None:
     return wanted
 
 
-def load(
-    path: str | os.PathLike[str],
-    layout: Layout | None = None,
-    *,
-    like: Any = None,
-    select: Select = None,
-    strict: bool = True,
-    inplace: bool = False,
-    group: Any = None,
-    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
-) -> Any:
+def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: Unpack[LoadKeywords]) -> Any:
     """Load this rank's shards of every (selected) array under ``layout``, in the saved tree.
 
     ``path`` is a committed checkpoint, in any form ``save`` takes (a local directory,
@@ -81,89 +74,134 @@ def load(
     (``re.search``-ed in each global name), a callable ``name -> bool``, or an iterable of
     names (a name the checkpoint lacks raises ``KeyError``). ``group`` is the
     ``torch.distributed`` process group whose ranks load together (default: the default group,
-    or a world of one). ``concurrency`` bounds the storage requests in flight.
+    or a world of one). ``io`` (an ``lc.IOConfig``) tunes how bytes are read.
 
     A missing checkpoint raises ``CheckpointNotFoundError``, a layout that does not fit an
     array ``LayoutError`` (both before any byte is read), and a damaged chunk
     ``IntegrityError`` naming its array.
     """
-    options = dict(like=like, select=select, strict=strict, inplace=inplace, group=group, concurrency=concurrency)
-    return load_async(path, layout, **options).result()
+    return _start(path, layout, options_of(LoadOptions, options, "load", LoadKeywords)).result()
 
 
 def load_async(
-    path: str | os.PathLike[str],
-    layout: Layout | None = None,
-    *,
-    like: Any = None,
-    select: Select = None,
-    strict: bool = True,
-    inplace: bool = False,
-    group: Any = None,
-    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
+    path: str | os.PathLike[str], layout: Layout | None = None, **options: Unpack[LoadKeywords]
 ) -> LoadFuture[Any]:
     """Plan the load and put every read in flight; ``result()`` waits and builds the state.
 
-    Takes the arguments of ``load`` and returns a ``LoadFuture``; ``fut.result()`` returns what
+    Takes the keywords of ``load`` and returns a ``LoadFuture``; ``fut.result()`` returns what
     ``load`` would, after which ``fut.metrics`` holds this rank's phases (plan, read, place),
     bytes and requests. Bad input (a template or layout that does not fit) raises here, before
     any byte is read.
     """
-    from .torch._tensors import from_numpy, torch_dtype
-    from .torch._torch import installed, is_tensor, torch
+    return _start(path, layout, options_of(LoadOptions, options, "load_async", LoadKeywords))
 
+
+def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOptions) -> LoadFuture[Any]:
+    """Plan every read first (pure), so bad input raises before any byte is read; then put the
+    reads in flight on the read engine's thread."""
     t0 = time.perf_counter()
     phases = Phases()
     root = locate(path)
     meta = _store.read_meta(root)
-    comm = comm_for(group)
-    stored_leaves = dict(leaf_nodes(meta.tree))
-    if inplace and like is None:
+    comm = comm_for(options.group)
+    plan = _plan_load(root.url, meta, layout, options, comm)
+    reader = root.box_reader(root.url, meta.all_chunks_stored, options.io)
+    reads = BackgroundReads(reader, plan.requests(meta), options.io)
+    phases.since("plan", t0)
+    fut: LoadFuture[Any] = LoadFuture(lambda: _finish(plan, meta, reads, root.url, comm, phases, t0, fut), reads)
+    return fut
+
+
+Target = tuple[str, _plan.Box]  # (stored array, box): one read, shared by names tied at save time
+FlatReads = tuple[int, str, list[tuple[Target, int, int, int]]]  # (length, dtype, reads) of a flat buffer
+
+
+@attrs.frozen
+class _LoadPlan:
+    """What this rank loads: the tree to build, the template's leaves, and every read."""
+
+    structure: Any
+    template: dict[str, Any]
+    keep: set[str] | None
+    targets: dict[str, Target]
+    flats: dict[str, FlatReads]
+    options: LoadOptions
+
+    def requests(self, meta: CheckpointMeta) -> list[BoxRead]:
+        boxes = list(self.targets.values()) + [key for _, _, parts in self.flats.values() for key, *_ in parts]
+        return [
+            BoxRead(stored, meta.arrays[stored], box, key=(stored, box))
+            for stored, box in dict.fromkeys(boxes)
+            if _plan.box_size(box) > 0
+        ]
+
+
+def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options: LoadOptions, comm: Any) -> _LoadPlan:
+    """The load's plan (pure but for the world's size and rank): bad input raises here."""
+    if options.inplace and options.like is None:
         raise TemplateMismatchError("inplace=True copies into the tensors of like=; pass the state to fill as like=")
-
-    user_layout = layout
-
-    def flat_spec(name: str) -> Flat | None:
-        rule = user_layout.rule_for(name) if user_layout is not None else None
-        return rule[1] if rule is not None and isinstance(rule[1], Flat) else None
-
-    template: dict[str, Any] = {}
-    if like is not None:
-        structure, template = flatten(like)
-        flat_names = {n for n in template if flat_spec(n) is not None}
-        missing = sorted(n for n in template if n not in stored_leaves and n not in flat_names)
-        if missing:
-            raise TemplateMismatchError(
-                f"the template asks for {missing[:5]}, which checkpoint {root.url!r} does not "
-                "hold; remove them from the template or load them from another checkpoint"
-            )
-        covered = {_stored_name(n, stored_leaves) for n in template}
-        covered |= {f"{n}.{p}" for n in flat_names for p, _ in flat_spec(n).params}  # type: ignore[union-attr]
-        extra = sorted(n for n in meta.arrays if n not in covered)
-        if strict and extra and select is None:
-            raise TemplateMismatchError(
-                f"checkpoint {root.url!r} holds arrays the template lacks, e.g. {extra[:5]}; "
-                "pass strict=False to ignore them"
-            )
+    flat_spec = functools.partial(_flat_spec, layout)
+    if options.like is not None:
+        structure, template = _template(where, meta, options, flat_spec)
     else:
         # A stored group that a flat rule names is loaded as that flat buffer.
-        structure = collapse(meta.tree, lambda n: flat_spec(n) is not None)
-    if layout is None:
+        structure, template = collapse(meta.tree, lambda n: flat_spec(n) is not None), {}
+    target_layout = layout
+    if target_layout is None:
         # Every array whole on every rank of the group (one process: the whole checkpoint), but
         # DTensors of the template where their placements say.
-        layout = Layout.replicated(default_mesh(template, comm.world, comm.global_ranks))
-    check_mesh(layout.mesh, comm)
-    wanted = template if like is not None else dict(leaf_nodes(structure))
-    keep = _selector(select, list(wanted))
+        target_layout = Layout.replicated(default_mesh(template, comm.world, comm.global_ranks))
+    check_mesh(target_layout.mesh, comm)
+    wanted = template if options.like is not None else dict(leaf_nodes(structure))
+    keep = _selector(options.select, list(wanted))
     names = [n for n in wanted if keep is None or n in keep]
+    targets, flats = _targets(names, template, meta, target_layout, layout, comm)
+    return _LoadPlan(structure, template, keep, targets, flats, options)
 
-    # Plan every read first (pure), so bad input raises before any byte is read. Names tied at
-    # save time share one stored array, read once per distinct box.
-    targets: dict[str, tuple[str, _plan.Box]] = {}
-    flats: dict[str, tuple[int, str, list[tuple[tuple[str, _plan.Box], int, int, int]]]] = {}
+
+def _flat_spec(layout: Layout | None, name: str) -> Flat | None:
+    rule = layout.rule_for(name) if layout is not None else None
+    return rule[1] if rule is not None and isinstance(rule[1], Flat) else None
+
+
+def _template(
+    where: str, meta: CheckpointMeta, options: LoadOptions, flat_spec: Callable[[str], Flat | None]
+) -> tuple[Any, dict[str, Any]]:
+    """The template's tree and leaves, checked against what the checkpoint holds."""
+    stored_leaves = dict(leaf_nodes(meta.tree))
+    structure, template = flatten(options.like)
+    flat_names = {n for n in template if flat_spec(n) is not None}
+    missing = sorted(n for n in template if n not in stored_leaves and n not in flat_names)
+    if missing:
+        raise TemplateMismatchError(
+            f"the template asks for {missing[:5]}, which checkpoint {where!r} does not "
+            "hold; remove them from the template or load them from another checkpoint"
+        )
+    covered = {_stored_name(n, stored_leaves) for n in template}
+    covered |= {f"{n}.{p}" for n in flat_names for p, _ in flat_spec(n).params}  # type: ignore[union-attr]
+    extra = sorted(n for n in meta.arrays if n not in covered)
+    if options.strict and extra and options.select is None:
+        raise TemplateMismatchError(
+            f"checkpoint {where!r} holds arrays the template lacks, e.g. {extra[:5]}; pass strict=False to ignore them"
+        )
+    return structure, template
+
+
+def _targets(
+    names: list[str],
+    template: dict[str, Any],
+    meta: CheckpointMeta,
+    layout: Layout,
+    user_layout: Layout | None,
+    comm: Any,
+) -> tuple[dict[str, Target], dict[str, FlatReads]]:
+    """The box of every named array this rank loads, and the reads of its flat buffers."""
+    stored_leaves = dict(leaf_nodes(meta.tree))
+    targets: dict[str, Target] = {}
+    flats: dict[str, FlatReads] = {}
     for name in names:
         target = template.get(name)
-        spec = flat_spec(name)
+        spec = _flat_spec(user_layout, name)
         if spec is not None:
             flats[name] = _plan_flat(name, spec, layout.mesh, comm.rank, meta.arrays, target)
             continue
@@ -182,117 +220,116 @@ def load_async(
             local = target.to_local() if is_dtensor(target) else target
             _check_template(name, local, a, _plan.box_shape(box), spec)
         targets[name] = (stored, box)
+    return targets, flats
 
-    ctx = _store.context(concurrency)
-    complete = meta.all_chunks_stored
-    where = root.url
-    boxes = list(targets.values()) + [key for _, _, parts in flats.values() for key, *_ in parts]
-    # A local checkpoint's shard files are read by _shardfile, other stores by TensorStore.
-    local = root.root if isinstance(root, LocalDir) else None
-    opened = {}
-    if local is None:
-        opened = {s: _store.open_array(ctx, root, meta.arrays[s], all_chunks_stored=complete) for s, _ in boxes}
-    requests = []
-    for key in dict.fromkeys(boxes):
-        stored, box = key
-        a = meta.arrays[stored]
-        if _plan.box_size(box) > 0:
-            rows = a.inner_chunk_shape[0] if a.inner_chunk_shape else 1
-            dtype = numpy_dtype(a.dtype)
-            if local is not None:
-                read = functools.partial(_store.read_box, local, a, stored, where, complete)
-                requests.append(_fetch.Request(key, None, box, dtype, rows, stored, read))
-            else:
-                requests.append(_fetch.Request(key, opened[stored].result(), box, dtype, rows, stored))
-    fetcher = _fetch.Fetcher(requests, lambda future, name: _store.read_result(future, name, where))
-    phases.since("plan", t0)
-    reads = {r.key for r in requests}
-    built: dict[tuple[str, _plan.Box], Any] = {}
 
-    def shard(name: str) -> Any:
-        stored, box = key = targets[name]
-        a = meta.arrays[stored]
-        if key in reads:
-            data = fetcher.result(key)
-        else:
-            data = np.zeros(_plan.box_shape(box), dtype=numpy_dtype(a.dtype))
+def _finish(
+    plan: _LoadPlan,
+    meta: CheckpointMeta,
+    reads: BackgroundReads,
+    where: str,
+    comm: Any,
+    phases: Phases,
+    t0: float,
+    fut: LoadFuture[Any],
+) -> Any:
+    """Wait for the reads, build the tree, and report the load's metrics on ``fut``."""
+    reads.join()
+    phases.add("read", reads.seconds)
+    start = time.perf_counter()
+    out = unflatten(plan.structure, _Builder(plan, meta, reads).leaf, plan.keep)
+    phases.since("place", start)
+    flight = reads.in_flight
+    arrays = len(
+        {stored for stored, _ in plan.targets.values()} | {k[0] for *_, p in plan.flats.values() for k, *_ in p}
+    )
+    fut.metrics = report(
+        Metrics(
+            "load",
+            where,
+            comm.rank,
+            comm.world,
+            phases.items(LOAD_PHASES),
+            reads.bytes,
+            arrays,
+            flight.issued,
+            flight.most,
+            flight.most_bytes,
+            time.perf_counter() - t0,
+        )
+    )
+    return out
+
+
+class _Builder:
+    """Turns the arrays read into the leaves of the result: tensors or NumPy arrays, on the
+    template's devices, as DTensors where the template holds them, or copied into it."""
+
+    def __init__(self, plan: _LoadPlan, meta: CheckpointMeta, reads: BackgroundReads) -> None:
+        self.plan, self.meta, self.reads = plan, meta, reads
+        self.stored_leaves = dict(leaf_nodes(meta.tree))
+        self.built: dict[Target, Any] = {}
+
+    def leaf(self, name: str, node: Any) -> Any:
+        plan, target = self.plan, self.plan.template.get(name)
+        if name in plan.flats:
+            data = self.flat_buffer(name)
+            if target is None:
+                return data
+            if plan.options.inplace:
+                return _fill(target, data)
+            return data.to(local_device(target)) if is_tensor(data) else data
+        if name not in plan.targets:
+            return decode_value(self.stored_leaves[name]) if name in self.stored_leaves else node
+        if plan.options.inplace and target is not None:
+            return _fill(target, self.shard(name))
+        key = plan.targets[name]
+        if key not in self.built:
+            # One object per stored array and box: names tied at save time stay tied.
+            t = self.shard(name)
+            if target is not None and is_tensor(t):
+                t = t.to(local_device(target))
+                if is_dtensor(target):
+                    t = from_local(t, target, self.meta.arrays[key[0]].shape)
+            self.built[key] = t
+        return self.built[key]
+
+    def shard(self, name: str) -> Any:
+        stored, box = key = self.plan.targets[name]
+        a = self.meta.arrays[stored]
+        data = (
+            self.reads.result(key) if _plan.box_size(box) > 0 else np.zeros(_plan.box_shape(box), numpy_dtype(a.dtype))
+        )
         kind = a.kind
-        target = template.get(name)
+        target = self.plan.template.get(name)
         if target is not None:
             kind = "torch" if is_tensor(target) else "numpy"
         if kind == "numpy_scalar":
             return data[()]
         if kind == "numpy" or not installed():  # without torch installed, every array is NumPy
             return data
-        if data.size == 0:
-            # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
-            return torch.zeros(data.shape, dtype=torch_dtype(a.dtype))
-        t = from_numpy(data, a.dtype)
-        assert t.dtype == torch_dtype(a.dtype)
-        return t
+        return _as_tensor(data, a.dtype)
 
-    def flat_buffer(name: str) -> Any:
-        length, dtype, parts = flats[name]
+    def flat_buffer(self, name: str) -> Any:
+        length, dtype, parts = self.plan.flats[name]
         buf = np.zeros(length, dtype=numpy_dtype(dtype))
         for key, lo, hi, dst in parts:
-            rows = fetcher.result(key).reshape(-1)
+            rows = self.reads.result(key).reshape(-1)
             buf[dst : dst + hi - lo] = rows[lo:hi]
-        if isinstance(template.get(name), np.ndarray) or not installed():
+        if isinstance(self.plan.template.get(name), np.ndarray) or not installed():
             return buf
+        return _as_tensor(buf, dtype)
+
+
+def _as_tensor(data: np.ndarray, dtype: str) -> Any:
+    """``data`` as a tensor of the stored ``dtype``, sharing its memory."""
+    from .torch._tensors import from_numpy, torch_dtype
+    from .torch._torch import torch
+
+    if data.size == 0:
         # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
-        return from_numpy(buf, dtype) if buf.size else torch.zeros(0, dtype=torch_dtype(dtype))
-
-    def leaf(name: str, node: Any) -> Any:
-        target = template.get(name)
-        if name in flats:
-            data = flat_buffer(name)
-            if target is None:
-                return data
-            if inplace:
-                return _fill(target, data)
-            return data.to(local_device(target)) if is_tensor(data) else data
-        if name not in targets:
-            return decode_value(stored_leaves[name]) if name in stored_leaves else node
-        if inplace and target is not None:
-            return _fill(target, shard(name))
-        key = targets[name]
-        if key not in built:
-            # One object per stored array and box: names tied at save time stay tied.
-            t = shard(name)
-            if target is not None and is_tensor(t):
-                t = t.to(local_device(target))
-                if is_dtensor(target):
-                    t = from_local(t, target, meta.arrays[key[0]].shape)
-            built[key] = t
-        return built[key]
-
-    def finish() -> Any:
-        fetcher.join()
-        phases.add("read", fetcher.seconds)
-        start = time.perf_counter()
-        out = unflatten(structure, leaf, keep)
-        phases.since("place", start)
-        flight = fetcher.in_flight
-        arrays = len({stored for stored, _ in reads})
-        fut.metrics = report(
-            Metrics(
-                "load",
-                root.url,
-                comm.rank,
-                comm.world,
-                phases.items(LOAD_PHASES),
-                fetcher.bytes,
-                arrays,
-                flight.issued,
-                flight.most,
-                flight.most_bytes,
-                time.perf_counter() - t0,
-            )
-        )
-        return out
-
-    fut: LoadFuture[Any] = LoadFuture(finish, fetcher)
-    return fut
+        return torch.zeros(data.shape, dtype=torch_dtype(dtype))
+    return from_numpy(data, dtype)
 
 
 def _fill(target: Any, data: Any) -> Any:

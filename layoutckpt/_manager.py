@@ -25,29 +25,39 @@ import os
 import re
 import socket
 import time
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from ._load import Select, load, load_rank_state
 from ._reader import Reader
-from ._save import SaveResult, save, save_async
+from ._save import SaveResult, start
+from .base import _faults
 from .base._errors import CheckpointNotFoundError, ManagerLockedError
 from .base._futures import SaveFuture
+from .base._options import IOConfig, SaveOptions
 from .layout._layout import Layout
-from .storage import _store
-from .storage._location import MARKER, KvPrefix, LocalDir, Location, locate
+from .storage import _commit, _store
+from .storage._commit import LEFTOVER
+from .storage._location import MARKER, Location, locate
 from .torch._dist import comm_for
 
 _STEP = re.compile(r"^step_(\d+)$")
 STEP_PREFIX = "step_"
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|del|old)-[0-9a-f]+$")
 LOCK_FILE = ".layoutckpt.lock"
 
 
 def step_dir(step: int) -> str:
+    """The folder (or key prefix) of ``step`` under a manager's root."""
     return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step whose folder is called ``name`` (``step_dir``'s inverse), or None."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
 
 
 def to_delete(steps: list[int], keep_last: int | None, keep_every: int | None) -> list[int]:
@@ -66,6 +76,12 @@ def to_delete(steps: list[int], keep_last: int | None, keep_every: int | None) -
 class CheckpointManager:
     """Save, list, load and retire the checkpoints of a training run; every rank creates one.
 
+    ``keep_last`` and ``keep_every`` say which committed steps retention keeps (``to_delete``);
+    saves are asynchronous (``lc.save_async``) unless ``async_save=False``. ``group``, ``io``
+    and any other keyword of ``lc.save_async`` (``inner_chunk_bytes``, ``compression``,
+    ``host_memory_budget``, ...) apply to every save, and ``save(..., **options)`` overrides
+    them for one.
+
     >>> mgr = CheckpointManager("ckpts", keep_last=3, keep_every=1000)  # doctest: +SKIP
     >>> mgr.save(step, state, layout)        # async: returns once the state is staged
     >>> mgr.load(layout)                     # the latest committed step
@@ -79,19 +95,19 @@ class CheckpointManager:
         keep_every: int | None = None,
         async_save: bool = True,
         group: Any = None,
+        io: IOConfig | None = None,
         **save_options: Any,
     ) -> None:
-        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        _check_retention(keep_last, keep_every)
         self._loc = locate(root)
         # A local root stays a Path (its historical type); an object store's is its URL.
-        self.root: Path | str = self._loc.root if isinstance(self._loc, LocalDir) else self._loc.url
+        self.root: Path | str = Path(self._loc.url) if self._loc.is_local else self._loc.url
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
         self._group = group
-        self._save_options = save_options
+        # Every save's options but the step's own (step, metadata, rank_state, overwrite).
+        self._defaults = _options(SaveOptions(group=group, io=io), save_options)
         self._comm = comm_for(group)
         self._lock_fd: int | None = None
         self._last: SaveFuture | None = None
@@ -103,10 +119,10 @@ class CheckpointManager:
         error: Exception | None = None
         if self._comm.rank == 0:
             try:
-                if isinstance(self._loc, LocalDir):
-                    self._loc.root.mkdir(parents=True, exist_ok=True)
-                    self._lock_fd = _take_lock(self._loc.root)
-                    _remove_leftovers(self._loc.root)
+                if isinstance(self.root, Path):
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    self._lock_fd = _take_lock(self.root)
+                    _remove_leftovers(self.root)
                 self._retention = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="layoutckpt-retain")
             except Exception as err:  # noqa: BLE001 - every rank raises below
                 error = err
@@ -142,7 +158,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first. A save still in progress is not among them."""
-        return _committed_steps(self._loc)
+        return committed_steps(self._loc)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none yet (a save in progress is not one)."""
@@ -178,14 +194,10 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        kwargs = {**self._save_options, **options}
-        kwargs.update(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=self._group)
-        if self.async_save:
-            fut = save_async(self.path(step), state, layout, **kwargs)
-        else:
-            result = save(self.path(step), state, layout, **kwargs)
-            fut = SaveFuture(result.path)
-            fut._finish(result)
+        mine = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite)
+        fut = start(self.path(step), state, layout, _options(self._defaults, {**options, **mine}), copy=self.async_save)
+        if not self.async_save:
+            fut.result()  # a synchronous save raises its failure here
         self._last = fut
         if self._retention is not None:
             # Queued now (so wait() sees it), run once this save has committed.
@@ -196,7 +208,7 @@ class CheckpointManager:
         if fut._future.exception() is not None:
             return  # a failed save changes nothing; the checkpoints we have stay
         for step in to_delete(self.steps(), self.keep_last, self.keep_every):
-            _retire(self._loc, step)
+            retire_step(self._loc, step)
 
     def wait(self) -> SaveResult | None:
         """Wait for the last save (raising its failure) and for retention; the save's result.
@@ -242,6 +254,7 @@ class CheckpointManager:
     ) -> Any:
         """Load ``step`` (default: the latest committed) under ``layout``; see ``lc.load``."""
         path = self._resolve(step)
+        options.setdefault("io", self._defaults.io)
         return load(path, layout, like=like, select=select, strict=strict, group=self._group, **options)
 
     def load_state(
@@ -276,7 +289,7 @@ class CheckpointManager:
         Raises ``CheckpointNotFoundError`` if there is no such step. Use it as
         ``with mgr.reader() as rd:``.
         """
-        return Reader(self._resolve(step))
+        return Reader(self._resolve(step), io=self._defaults.io)
 
 
 _LOCK_FDS: set[int] = set()
@@ -320,36 +333,38 @@ def _remove_leftovers(root: Path) -> None:
     """
     for name, action in leftovers(root):
         if action == "restore":
-            m = _LEFTOVER.match(name)
+            m = LEFTOVER.match(name)
             assert m is not None
-            os.rename(root / name, root / m.group("name"))
-            _store.fsync_dir(root)
+            _commit.rename(root / name, root / m.group("name"))
         else:
-            _store.remove_tree(root / name)
+            _commit.remove_tree(root / name)
 
 
-def _retire(root: Location, step: int) -> None:
-    """Delete a committed step so that it is never listed while partly deleted."""
-    if isinstance(root, LocalDir):
-        _retire_dir(root.root / step_dir(step))
-        return
-    loc = locate(f"{root.url}/{step_dir(step)}")
-    assert isinstance(loc, KvPrefix)
-    loc.retire()
+def _check_retention(keep_last: int | None, keep_every: int | None) -> None:
+    for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
-def _retire_dir(path: Path) -> None:
-    """Rename first (the checkpoint disappears at once, whole), then delete at leisure."""
-    aside = path.parent / f".{path.name}.del-{uuid.uuid4().hex[:12]}"
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return
-    _store.fsync_dir(path.parent)
-    _store.remove_tree(aside)
+def _options(base: SaveOptions, changes: Mapping[str, Any]) -> SaveOptions:
+    """``base`` with ``changes`` (keywords of ``lc.save_async``); unknown ones raise ``TypeError``."""
+    unknown = sorted(set(changes) - {f.name for f in attrs.fields(SaveOptions)} | ({"group"} & set(changes)))
+    if unknown:
+        raise TypeError(
+            f"CheckpointManager takes the keywords of lc.save_async besides group (given to the manager), not {unknown}"
+        )
+    return attrs.evolve(base, **changes)
 
 
-# Retention from outside a training job (``layoutckpt gc``) ------------------------------------
+def retire_step(root: str | os.PathLike[str] | Location, step: int) -> None:
+    """Delete the committed ``step`` under the manager root ``root`` so that it is never listed
+    while partly deleted (``Location.retire``)."""
+    loc = locate(root)
+    _faults.point("manager.retire", url=f"{loc.url}/{step_dir(step)}")
+    locate(f"{loc.url}/{step_dir(step)}").retire()
+
+
+# Retention from outside a training job (``layoutckpt gc``, ``layoutckpt ls``) -----------------
 
 
 def leftovers(root: str | os.PathLike[str]) -> list[tuple[str, str]]:
@@ -358,7 +373,7 @@ def leftovers(root: str | os.PathLike[str]) -> list[tuple[str, str]]:
     (a committed checkpoint an interrupted overwrite set aside, put back under its name)."""
     found = []
     for e in sorted(os.scandir(root), key=lambda e: e.name):
-        m = _LEFTOVER.match(e.name)
+        m = LEFTOVER.match(e.name)
         if m:
             final = Path(root, m.group("name"))
             restore = m.group("kind") == "old" and not final.exists() and _store.is_committed(e.path)
@@ -368,17 +383,32 @@ def leftovers(root: str | os.PathLike[str]) -> list[tuple[str, str]]:
     return found
 
 
+def step_folders(root: str | os.PathLike[str]) -> list[tuple[int, str, bool]]:
+    """Every step folder under the local manager root ``root``, committed or not, as ``(step,
+    folder name, committed)`` in name order; empty where ``root`` is no directory."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for e in entries:
+        step = step_of(e.name)
+        if step is not None and e.is_dir():
+            found.append((step, e.name, _store.is_committed(e.path)))
+    return found
+
+
 def steps_after_cleanup(root: str | os.PathLike[str]) -> list[int]:
     """The committed steps under ``root`` once the crash leftovers are dealt with, oldest first:
     those committed now, and those the cleanup puts back (``leftovers``: ``"restore"``)."""
     loc = locate(root)
-    steps = set(_committed_steps(loc))
-    if isinstance(loc, LocalDir) and loc.root.is_dir():
-        for name, action in leftovers(loc.root):
-            m = _LEFTOVER.match(name)
-            step = _STEP.match(m.group("name")) if m and action == "restore" else None
-            if step:
-                steps.add(int(step.group(1)))
+    steps = set(committed_steps(loc))
+    if loc.is_local and Path(loc.url).is_dir():
+        for name, action in leftovers(loc.url):
+            m = LEFTOVER.match(name)
+            step = step_of(m.group("name")) if m and action == "restore" else None
+            if step is not None:
+                steps.add(step)
     return sorted(steps)
 
 
@@ -395,18 +425,16 @@ def collect_garbage(
     when no job writes there. With ``dry_run`` nothing is touched (and no lock taken): the
     steps returned are those that would go.
     """
-    for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    _check_retention(keep_last, keep_every)
     loc = locate(root)
-    if isinstance(loc, KvPrefix):
+    if not loc.is_local:
         # No lock and no leftovers to sweep on an object store (see the module docstring).
-        doomed = to_delete(_committed_steps(loc), keep_last, keep_every)
+        doomed = to_delete(committed_steps(loc), keep_last, keep_every)
         if not dry_run:
             for step in doomed:
-                _retire(loc, step)
+                retire_step(loc, step)
         return doomed
-    path = loc.root
+    path = Path(loc.url)
     if not path.is_dir():
         raise CheckpointNotFoundError(
             2, f"no CheckpointManager root at {os.fspath(path)!r}: not a directory", os.fspath(path)
@@ -416,9 +444,9 @@ def collect_garbage(
     fd = _take_lock(path)
     try:
         _remove_leftovers(path)
-        doomed = to_delete(_committed_steps(loc), keep_last, keep_every)
+        doomed = to_delete(committed_steps(loc), keep_last, keep_every)
         for step in doomed:
-            _retire(loc, step)
+            retire_step(loc, step)
         return doomed
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -426,14 +454,12 @@ def collect_garbage(
         _LOCK_FDS.discard(fd)
 
 
-def _committed_steps(root: Location) -> list[int]:
-    """The committed steps under ``root``, oldest first (``CheckpointManager.steps``)."""
-    if isinstance(root, KvPrefix):
-        # One listing of the steps' keys finds every marker (``step_N/zarr.json``).
-        found = (_STEP.match(k.removesuffix("/" + MARKER)) for k in root.keys(STEP_PREFIX) if k.endswith("/" + MARKER))
-        return sorted(int(m.group(1)) for m in found if m)
-    try:
-        entries = list(os.scandir(root.root))
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for e in entries if (m := _STEP.match(e.name)) and _store.is_committed(e.path))
+def committed_steps(root: str | os.PathLike[str] | Location) -> list[int]:
+    """The committed steps under the manager root ``root``, oldest first (``CheckpointManager.steps``)."""
+    loc = locate(root)
+    if loc.is_local:
+        return sorted(step for step, _, committed in step_folders(loc.url) if committed)
+    # One listing of the steps' keys finds every marker (``step_N/zarr.json``).
+    keys = loc.keys(STEP_PREFIX)
+    found = (step_of(k.removesuffix("/" + MARKER)) for k in keys if k.endswith("/" + MARKER))
+    return sorted(s for s in found if s is not None)

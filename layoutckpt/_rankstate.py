@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .base._errors import FormatError, WorldSizeError
-from .layout._tree import _encode_value, decode_value
 from .format._dtypes import numpy_dtype, zarr_name
+from .format._hierarchy import RANK_STATE_DIR
+from .layout._tree import _encode_value, decode_value
 
 if TYPE_CHECKING:
     from .storage._location import Location
 
-DIR = ".rank_state"
+DIR = RANK_STATE_DIR
 # A document is read whole on every load; bulk data belongs in arrays.
 MAX_DOCUMENT_BYTES = 64 << 20
 

@@ -7,7 +7,6 @@ so the ``safetensors`` package is needed only by the tests, which check the file
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import math
@@ -21,11 +20,14 @@ import numpy as np
 
 from ._load import Select, _selector
 from ._reader import Reader
-from ._save import _check_user_metadata, _write_skeleton
 from .base._errors import FormatError, InvalidNameError, LayoutError
+from .base._options import DEFAULT_IO
 from .base._version import __version__
+from .engine._read import BoxRead
+from .format import _hierarchy as hierarchy
 from .format._dtypes import numpy_dtype
 from .format._format import COMPRESSIONS, ArrayMeta, CheckpointMeta, root_document
+from .format._hierarchy import check_user_metadata
 from .format._safetensors_format import (
     ZARR_TO_SAFETENSORS,
     SafetensorsHeader,
@@ -35,20 +37,17 @@ from .format._safetensors_format import (
     place,
     read_header,
 )
+from .format._shard import grid_cells
 from .layout import _plan
 from .layout._layout import Layout
 from .layout._plan import Box
 from .layout._spec import P, check_spec
 from .layout._tree import check_no_prefix_clash, name_to_path
-from .storage import _store
-from .storage._location import LocalDir, locate
-from .storage._shardfile import grid_cells, write_shard
+from .storage._commit import new_token, write_file_atomically
+from .storage._location import Location, locate
 
 # Bytes of an array held at once when exporting (one C-order block, written whole).
 BLOCK_BYTES = 16 << 20
-# Reads of one inner chunk each in flight at once: enough to keep a few decoding threads busy
-# (each costs about three chunks of memory while it runs).
-READS_IN_FLIGHT = 4
 # transformers refuses files whose metadata lacks a known "format"; "pt" is what it writes.
 FILE_METADATA = {"format": "pt"}
 
@@ -186,13 +185,12 @@ def export_safetensors(
         written, weight_map = [], {}
         for i, group in enumerate(files, 1):
             file = out / f"{prefix}-{i:05d}-of-{len(files):05d}.safetensors"
-            _atomic_write(file, lambda f, group=group: _write_file(rd, f, group))
+            write_file_atomically(file, lambda f, group=group: _write_file(rd, f, group))
             written.append(os.fspath(file))
             weight_map.update((a.out, file.name) for a in group)
     index = {"metadata": {"total_size": sum(a.nbytes for a in arrays)}, "weight_map": dict(sorted(weight_map.items()))}
     file = out / f"{prefix}.safetensors.index.json"
-    _atomic_write(file, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()))
-    _store.fsync_dir(out)
+    write_file_atomically(file, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()))
     return [*written, os.fspath(file)]
 
 
@@ -215,21 +213,6 @@ def _exports(rd: Reader, names: list[str], rename: Callable[[str], str] | None) 
     return arrays
 
 
-def _atomic_write(file: Path, write: Callable[[Any], None]) -> None:
-    """Write ``file`` under a temporary name, make it durable, then rename it into place: a
-    reader never sees half a file under the final name."""
-    tmp = file.with_name(f".{file.name}{_store.TMP_MARK}{_store.new_token():012x}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_file(rd: Reader, f: Any, group: list[_Out]) -> None:
     # Wider types first (then checkpoint order), as the safetensors library writes them: with an
     # 8-byte aligned header every tensor then starts aligned to its element size, so readers
@@ -245,34 +228,37 @@ def _write_file(rd: Reader, f: Any, group: list[_Out]) -> None:
 
 def _copy_array(rd: Reader, a: _Out, f: Any) -> None:
     """Stream array ``a`` into ``f`` in C order: each block is filled in one reused buffer by
-    reads of one inner chunk each, a few in flight.
+    the read engine, one inner chunk per read, each straight into its place in the buffer.
 
     Reading a whole block at once holds its encoded chunks, its decoded chunks and the result
-    together, and freed memory of that size is not reliably reused: exporting a 200 MiB tensor
-    that way peaked 80-210 MiB above the start, against 55-75 MiB with one-chunk reads.
+    together, and freed memory of that size is not reliably reused; reads of one chunk into a
+    reused buffer keep the export's memory at one block.
     """
-    itemsize = numpy_dtype(a.dtype).itemsize
+    stored = rd.aliases.get(a.name, a.name)
+    meta = rd.meta.arrays[stored]
     if not a.shape:
-        _write_block(f, _store.read_result(rd.read_async(a.name), a.name, rd.path))
+        _write_block(f, rd.read(a.name))
         return
     buffer = None
-    for block in row_blocks(a.shape, itemsize, a.inner, BLOCK_BYTES):
+    for block in row_blocks(a.shape, numpy_dtype(a.dtype).itemsize, a.inner, BLOCK_BYTES):
         d = len(block) - 1
         rows = block[d]
         assert isinstance(rows, slice)
         if buffer is None:
             buffer = np.empty((rows.stop - rows.start, *a.shape[d + 1 :]), numpy_dtype(a.dtype))
         out = buffer[: rows.stop - rows.start]
-        pending: collections.deque[Any] = collections.deque()
-        for source, target in chunk_pieces(block, a.shape, a.inner):
-            pending.append((rd.read_async(a.name, source), target))
-            if len(pending) >= READS_IN_FLIGHT:
-                future, where = pending.popleft()
-                out[where] = _store.read_result(future, a.name, rd.path)
-        while pending:
-            future, where = pending.popleft()
-            out[where] = _store.read_result(future, a.name, rd.path)
+        reads = [
+            BoxRead(stored, meta, _box_of(source), out[where][(None,) * d])
+            for source, where in chunk_pieces(block, a.shape, a.inner)
+        ]
+        for _ in rd.read_boxes(reads):
+            pass
         _write_block(f, out)
+
+
+def _box_of(index: tuple[int | slice, ...]) -> Box:
+    """The box an index of ints and unit-step slices (``chunk_pieces``) selects."""
+    return tuple((i, i + 1) if isinstance(i, int) else (i.start, i.stop) for i in index)
 
 
 def _write_block(f: Any, block: np.ndarray) -> None:
@@ -386,28 +372,12 @@ def import_safetensors(
         raise TypeError(f"step must be an int or None, got {step!r}")
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-    _check_user_metadata(metadata)
+    check_user_metadata(metadata)
     files, weight_map, index = _sources(src)
-    headers = [read_header(f) for f in files]
-    tensors = _gather(headers, weight_map, index)
-
-    arrays: dict[str, ArrayMeta] = {}
-    for name, (h, t) in tensors.items():
-        try:
-            storage_path = name_to_path(name)
-        except InvalidNameError as err:
-            raise InvalidNameError(f"{h.path}: {err}") from None
-        spec = layout.spec_for(name)
-        if not isinstance(spec, P):
-            raise LayoutError(
-                f"array {name!r}: the layout gives it {spec!r}, but imported tensors are whole arrays; "
-                "give it a P(...) rule (a flat buffer's parameters are stored per parameter anyway)"
-            )
-        check_spec(spec, layout.mesh, len(t.shape), name, t.shape)
-        outer = _plan.shard_shape(t.shape, spec, layout.mesh)
-        itemsize = numpy_dtype(t.dtype).itemsize
-        inner = _plan.chunk_shape_for(outer, itemsize, inner_chunk_bytes)
-        arrays[name] = ArrayMeta(storage_path, t.shape, t.dtype, outer, inner, spec, "torch", compression)
+    tensors = _gather([read_header(f) for f in files], weight_map, index)
+    arrays = {
+        name: _import_meta(name, h, t, layout, inner_chunk_bytes, compression) for name, (h, t) in tensors.items()
+    }
     check_no_prefix_clash(list(arrays))
     meta = CheckpointMeta(
         arrays=arrays,
@@ -420,24 +390,64 @@ def import_safetensors(
         all_chunks_stored=True,
     )
     final = locate(path)
-    if not isinstance(final, LocalDir):
+    if not final.is_local:
         raise ValueError(
             f"import_safetensors writes to local directories only, not {final.url!r}; import to a local "
             "path and copy it, or load the tensors and lc.save them there"
         )
     final.check_destination(overwrite)
+    _write_checkpoint(final, meta, tensors, overwrite)
 
-    # Committed as a save commits: everything durable in a temporary folder, the root document
-    # (the commit marker) last, then one rename.
-    staging = final.staging(_store.new_token())
-    tmp = staging.root
+
+def _import_meta(
+    name: str, h: SafetensorsHeader, t: TensorEntry, layout: Layout, inner_chunk_bytes: int, compression: str | None
+) -> ArrayMeta:
+    """The document of tensor ``t`` of file ``h`` as an array chunked as ``layout`` says."""
     try:
-        for name, a in arrays.items():
-            h, t = tensors[name]
-            for cell in grid_cells(a.shape, a.shard_shape):
-                read = lambda box, h=h, t=t: _read_box(h, t, box)  # noqa: E731
-                write_shard(tmp, a, cell, numpy_dtype(a.dtype), read)
-        _write_skeleton(staging, meta, 0, 1)
+        storage_path = name_to_path(name)
+    except InvalidNameError as err:
+        raise InvalidNameError(f"{h.path}: {err}") from None
+    spec = layout.spec_for(name)
+    if not isinstance(spec, P):
+        raise LayoutError(
+            f"array {name!r}: the layout gives it {spec!r}, but imported tensors are whole arrays; "
+            "give it a P(...) rule (a flat buffer's parameters are stored per parameter anyway)"
+        )
+    check_spec(spec, layout.mesh, len(t.shape), name, t.shape)
+    outer = _plan.shard_shape(t.shape, spec, layout.mesh)
+    inner = _plan.chunk_shape_for(outer, numpy_dtype(t.dtype).itemsize, inner_chunk_bytes)
+    return ArrayMeta(storage_path, t.shape, t.dtype, outer, inner, spec, "torch", compression)
+
+
+@attrs.frozen
+class _Mapped:
+    """A tensor of a safetensors file as a writer's source: any box of it, read on demand."""
+
+    header: SafetensorsHeader
+    tensor: TensorEntry
+
+    def wait(self) -> Callable[[Box], np.ndarray]:
+        return lambda box: _read_box(self.header, self.tensor, box)
+
+    def release(self) -> None:
+        """Nothing is held: each box read is a copy of its own."""
+
+
+def _write_checkpoint(
+    final: Location, meta: CheckpointMeta, tensors: dict[str, tuple[SafetensorsHeader, TensorEntry]], overwrite: bool
+) -> None:
+    """Committed as a save commits: every shard and document durable under a temporary name,
+    the root document (the commit marker) last, then one rename (``Location.commit``)."""
+    staging = final.staging(new_token())
+    try:
+        with staging.box_writer(DEFAULT_IO) as writer:
+            for name, a in meta.arrays.items():
+                source = _Mapped(*tensors[name])
+                for cell in grid_cells(a.shape, a.shard_shape):
+                    box = tuple((c * s, min((c + 1) * s, n)) for c, s, n in zip(cell, a.shard_shape, a.shape))
+                    writer.write(a, box, source)
+            writer.join()
+        staging.write_many(hierarchy.documents(meta))
         staging.make_durable()
         final.commit(staging, root_document(meta), overwrite=overwrite)
     except BaseException:

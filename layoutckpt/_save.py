@@ -2,10 +2,11 @@
 
 On the caller's thread: state -> flatten -> check (local, then agreed across ranks) -> plan
 (pure) -> stage (``save_async``: copy the shards this rank writes into reused host buffers).
-In the background: write (TensorStore futures, all in flight together; this rank's share of the
-Zarr documents) -> one sync -> agree on success (over the rendezvous store) -> commit (root
-metadata last, rename). ``save`` runs the same steps on the caller's thread, from the live
-tensors.
+In the background: write (the location's ``BoxWriter``, all writes in flight together; this
+rank's share of the Zarr documents) -> one sync -> agree on success (over the rendezvous store)
+-> commit (root metadata last, rename: ``Location.commit``). ``save`` runs the same steps on the
+caller's thread, from the live tensors. What one call was asked for travels as one
+``SaveOptions``, its I/O knobs as its ``IOConfig``.
 """
 
 from __future__ import annotations
@@ -15,26 +16,29 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import attrs
 import numpy as np
 
+from . import _rankstate
+from .base import _faults
 from .base._errors import InconsistentShardsError, SaveError
 from .base._futures import SaveFuture, swap_in_flight, wait_previous
 from .base._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
+from .base._options import SaveAsyncKeywords, SaveKeywords, SaveOptions, options_of
 from .base._version import __version__
-from .base._workers import Workers
-from . import _rankstate
+from .format import _hierarchy as hierarchy
 from .format._dtypes import zarr_name
-from .format._format import ArrayMeta, CheckpointMeta, group_document, root_document
+from .format._format import ArrayMeta, CheckpointMeta, root_document
+from .format._hierarchy import check_user_metadata
 from .layout import _flat, _plan
 from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._spec import Mesh, P, check_spec
 from .layout._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, retarget
-from .storage import _shardfile, _store
-from .storage._location import LocalDir, Location, locate
+from .storage._commit import new_token
+from .storage._location import Location, locate
 from .torch._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
 from .torch._dtensor import default_mesh, is_dtensor, sharding_of
 from .torch._staging import Staged, side_stream, stage_all
@@ -50,8 +54,9 @@ class SaveResult:
 
     ``arrays_written`` counts the boxes this rank wrote (a box is one shard of an array, or one
     row block of a flat buffer's parameter), so an array split into several boxes counts once
-    per box; ``metrics.arrays`` counts distinct arrays. ``seconds`` runs from the call to the commit; ``blocked_seconds`` is how long the call held
-    the caller (for ``save_async``, checks, planning and staging; for ``save``, all of it).
+    per box; ``metrics.arrays`` counts distinct arrays. ``seconds`` runs from the call to the
+    commit; ``blocked_seconds`` is how long the call held the caller (for ``save_async``,
+    checks, planning and staging; for ``save``, all of it).
     ``metrics`` has the time of each phase (plan, stage, write, commit) and the writes in flight.
     ``staged_bytes`` are the bytes copied into staging buffers (``save_async``; 0 for ``save``).
     """
@@ -145,20 +150,24 @@ def _agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[l
     return hi[1:], lo[1:]
 
 
+@attrs.frozen
+class _Job:
+    """Everything the background part of a save needs; planned before the call returns."""
+
+    tmp: Location
+    final: Location
+    meta: CheckpointMeta
+    mine: list[tuple[str, _plan.Box]]
+    rank_doc: bytes | None
+    options: SaveOptions
+    started: float
+    operation: str
+    phases: Phases = attrs.field(factory=Phases)
+    in_flight: InFlight = attrs.field(factory=InFlight)
+
+
 def save(
-    path: str | os.PathLike[str],
-    state: Any,
-    layout: Layout | None = None,
-    *,
-    step: int | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    rank_state: Any = None,
-    overwrite: bool = False,
-    group: Any = None,
-    inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
-    compression: str | None = None,
-    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
-    direct_io: bool = True,
+    path: str | os.PathLike[str], state: Any, layout: Layout | None = None, **options: Unpack[SaveKeywords]
 ) -> SaveResult:
     """Save this rank's shards of ``state`` under ``layout``; every rank of the group calls it.
 
@@ -178,10 +187,12 @@ def save(
     the ``torch.distributed`` process group whose ranks save together (default: the default
     group, or a world of one without ``torch.distributed``). ``inner_chunk_bytes`` is the target
     size in bytes of an inner chunk, the unit a partial read fetches (default 2 MiB);
-    ``compression`` is ``None`` (default), ``"zstd"`` or ``"blosc"``; ``concurrency`` bounds the
-    storage requests in flight (file operations, or S3/GCS requests). ``direct_io`` (default
-    True) writes the large uncompressed shards of a local save past the page cache (``O_DIRECT``)
-    where the file system allows it, and through it where not; ``False`` always goes through it.
+    ``compression`` is ``None`` (default), ``"zstd"`` or ``"blosc"``. ``io`` (an
+    ``lc.IOConfig``) sets how bytes move: ``concurrency`` bounds the storage requests in flight
+    (file operations, or S3/GCS requests), ``threads`` the threads that write a local
+    checkpoint's shard files, and ``direct_io`` (default True) writes the large uncompressed
+    shards of a local save past the page cache (``O_DIRECT``) where the file system allows it,
+    and through it where not; ``None`` takes the defaults.
 
     Returns this rank's ``SaveResult`` (path, bytes and arrays written, seconds, and
     ``.metrics`` with the time of each phase) after the checkpoint is committed on every rank.
@@ -190,33 +201,15 @@ def save(
     for a name that cannot be stored. A failed write raises ``SaveError`` and commits nothing.
     The caller is blocked throughout, so the live tensors are written without a staging copy.
     """
-    options = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=group)
-    storage = dict(
-        inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency, direct_io=direct_io
-    )
-    return _start(path, state, layout, copy=False, lazy=False, budget=None, **options, **storage).result()
+    return start(path, state, layout, options_of(SaveOptions, options, "save", SaveKeywords), copy=False).result()
 
 
 def save_async(
-    path: str | os.PathLike[str],
-    state: Any,
-    layout: Layout | None = None,
-    *,
-    step: int | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    rank_state: Any = None,
-    overwrite: bool = False,
-    group: Any = None,
-    lazy: bool = False,
-    host_memory_budget: int | None = None,
-    inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
-    compression: str | None = None,
-    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
-    direct_io: bool = True,
+    path: str | os.PathLike[str], state: Any, layout: Layout | None = None, **options: Unpack[SaveAsyncKeywords]
 ) -> SaveFuture:
     """Start saving; return once the state is staged (copied out of the live tensors).
 
-    Takes the arguments of ``save``, and returns a ``SaveFuture``. Writing and the commit run on
+    Takes the keywords of ``save``, and returns a ``SaveFuture``. Writing and the commit run on
     a background thread; ``fut.result()`` waits for the commit, returns the ``SaveResult`` (its
     ``.metrics`` has the plan, stage, write and commit phases) and raises any rank's failure.
     With ``lazy=True`` the call returns before the copy is done: call ``fut.wait_staged()``
@@ -226,63 +219,57 @@ def save_async(
     first waits for the previous one, and raises its failure (as ``SaveError``) if nobody has
     seen it. Bad input raises here, before anything is written, as for ``save``.
     """
-    options = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite, group=group)
-    storage = dict(
-        inner_chunk_bytes=inner_chunk_bytes, compression=compression, concurrency=concurrency, direct_io=direct_io
-    )
-    return _start(path, state, layout, copy=True, lazy=lazy, budget=host_memory_budget, **options, **storage)
+    return start(path, state, layout, options_of(SaveOptions, options, "save_async", SaveAsyncKeywords), copy=True)
 
 
-@attrs.frozen
-class _Job:
-    """Everything the background part of a save needs; planned before the call returns."""
-
-    tmp: Location
-    final: Location
-    meta: CheckpointMeta
-    metas: dict[str, ArrayMeta]
-    mine: list[tuple[str, _plan.Box]]
-    rank_doc: bytes | None
-    overwrite: bool
-    concurrency: int
-    direct_io: bool
-    started: float
-    operation: str
-    phases: Phases = attrs.field(factory=Phases)
-    in_flight: InFlight = attrs.field(factory=InFlight)
-
-
-def _start(
-    path: str | os.PathLike[str],
-    state: Any,
-    layout: Layout | None,
-    *,
-    copy: bool,
-    lazy: bool,
-    budget: int | None,
-    step: int | None,
-    metadata: Mapping[str, Any] | None,
-    rank_state: Any,
-    overwrite: bool,
-    group: Any,
-    inner_chunk_bytes: int,
-    compression: str | None,
-    concurrency: int,
-    direct_io: bool,
+def start(
+    path: str | os.PathLike[str] | Location, state: Any, layout: Layout | None, options: SaveOptions, *, copy: bool
 ) -> SaveFuture:
+    """The save ``options`` describe: with ``copy``, as ``save_async`` (staged, then written in
+    the background); without, as ``save`` (written from the live tensors before this returns)."""
     t0 = time.perf_counter()
-    comm = comm_for(group)
+    comm = comm_for(options.group)
     final = locate(path)
     # One save in flight: its buffers come back, and its failure is not lost.
     previous = wait_previous()
-
     # 1. Local checks. An error is held until every rank has reported, so no rank hangs.
-    error: BaseException | None = None
+    checked = _check_locally(comm, final, state, layout, options, previous)
+    # 2. Agree on the state, and plan (or reuse the plan of an earlier save of the same state).
+    planned, token = _agree_on_plan(comm, checked, options)
+    # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
+    job, sources = _job(comm, final, layout, options, checked, planned, token, copy, t0)
+    job.phases.since("plan", t0)
+    items = [Staged(source) for source in sources]
+    writer_comm = comm if not copy else background_comm(comm, f"save-{token:012x}")
+    # 4. Stage and write. A synchronous save writes straight from the live tensors.
+    if not copy:
+        return _run_now(job, items, writer_comm)
+    return _run_in_background(job, items, writer_comm, options)
+
+
+@attrs.frozen
+class _Checked:
+    """This rank's part of a save, checked on its own; ``error`` is held until all ranks agree."""
+
+    mesh: Mesh
     structure: Any = None
-    arrays: list[_Local] = []
-    shardings: list[tuple[Mesh, P]] = []
-    flats: list[tuple[_Local, Flat]] = []
-    rank_doc = None
+    arrays: list[_Local] = attrs.field(factory=list)
+    shardings: list[tuple[Mesh, P]] = attrs.field(factory=list)
+    flats: list[tuple[_Local, Flat]] = attrs.field(factory=list)
+    rank_doc: bytes | None = None
+    error: BaseException | None = None
+
+
+def _check_locally(
+    comm: Comm,
+    final: Location,
+    state: Any,
+    layout: Layout | None,
+    options: SaveOptions,
+    previous: BaseException | None,
+) -> _Checked:
+    """Flatten and check ``state`` against ``layout`` on this rank, and (rank 0, or every rank
+    of a local save) check and claim the destination; a failure is returned, not raised."""
     mesh = layout.mesh if layout is not None else Mesh({})
     try:
         if previous is not None:
@@ -291,108 +278,137 @@ def _start(
         if layout is None:
             mesh = default_mesh(leaves, comm.world, comm.global_ranks)
         check_mesh(mesh, comm)
-        arrays = []
-        for a in _local_arrays(leaves):
-            if a.dtensor is not None:
-                shardings.append(sharding_of(a.dtensor, a.name, comm.rank, comm.global_ranks, layout))
-                arrays.append(a)
-                continue
-            spec = layout.spec_for(a.name) if layout is not None else P()
-            if isinstance(spec, Flat):
-                flats.append((a, _check_flat(a, spec, mesh, comm.rank)))
-                continue
-            check_spec(spec, mesh, len(a.shape), a.name, a.shape)
-            shardings.append((mesh, spec))
-            arrays.append(a)
+        arrays, shardings, flats = _shardings(comm, leaves, layout, mesh)
         if flats:
             structure = _expand_flats(structure, flats)
             check_no_prefix_clash([a.name for a in arrays] + [n for f, spec in flats for n in _flat_names(f, spec)])
-        _check_user_metadata(metadata)
-        if rank_state is not None:
-            rank_doc = _rankstate.document(rank_state, comm.rank, comm.world)
+        check_user_metadata(options.metadata)
+        rank_doc = None
+        if options.rank_state is not None:
+            rank_doc = _rankstate.document(options.rank_state, comm.rank, comm.world)
         # An object store's prefix is checked and claimed by rank 0 alone: it may clear the
         # leftovers of an unfinished save there, which other ranks must not see half done.
         if final.is_local or comm.rank == 0:
-            final.check_destination(overwrite)
+            final.check_destination(options.overwrite)
         if comm.rank == 0:
             final.prepare()
     except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
-        error = err
+        return _Checked(mesh, error=err)
+    return _Checked(mesh, structure, arrays, shardings, flats, rank_doc)
+
+
+def _shardings(
+    comm: Comm, leaves: Mapping[str, Any], layout: Layout | None, mesh: Mesh
+) -> tuple[list[_Local], list[tuple[Mesh, P]], list[tuple[_Local, Flat]]]:
+    """This rank's array leaves with how each is split (a flat buffer's apart), each checked."""
+    arrays: list[_Local] = []
+    shardings: list[tuple[Mesh, P]] = []
+    flats: list[tuple[_Local, Flat]] = []
+    for a in _local_arrays(leaves):
+        if a.dtensor is not None:
+            shardings.append(sharding_of(a.dtensor, a.name, comm.rank, comm.global_ranks, layout))
+            arrays.append(a)
+            continue
+        spec = layout.spec_for(a.name) if layout is not None else P()
+        if isinstance(spec, Flat):
+            flats.append((a, _check_flat(a, spec, mesh, comm.rank)))
+            continue
+        check_spec(spec, mesh, len(a.shape), a.name, a.shape)
+        shardings.append((mesh, spec))
+        arrays.append(a)
+    return arrays, shardings, flats
+
+
+def _agree_on_plan(comm: Comm, checked: _Checked, options: SaveOptions) -> tuple[_Planned, int]:
+    """Check in one collective that every rank passed the same state, and plan the save unless
+    every rank holds the plan of one earlier save of it; the plan and the save's token."""
+    arrays, flats, mesh = checked.arrays, checked.flats, checked.mesh
     # The mesh is part of each spec: ranks that order or size the mesh axes differently would
     # place their shards at different boxes.
-    signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {m!r}") for a, (m, s) in zip(arrays, shardings)]
+    signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {m!r}") for a, (m, s) in zip(arrays, checked.shardings)]
     signature += [(a.name, a.dtype, 1, f"{spec!r} on {mesh!r}") for a, spec in flats]
-    agreed = (signature, structure, rank_doc is not None)
-    what = _ToPlan(mesh, arrays, shardings, flats, inner_chunk_bytes, compression)
-    key = None if error else what.key(comm)
+    agreed = (signature, checked.structure, checked.rank_doc is not None)
+    what = _ToPlan(mesh, arrays, checked.shardings, flats, options.inner_chunk_bytes, options.compression)
+    key = None if checked.error else what.key(comm)
     cached = _PLANS.get(key)
-    checked = [*digest(agreed), sum(len(a.shape) for a in arrays)]
+    words = [*digest(agreed), sum(len(a.shape) for a in arrays)]
     # Two more words ride on this collective: the save that made each rank's cached plan (-1
     # for none), and rank 0's random token, which names the temporary directory.
-    hi, lo = _agree(
-        comm, error, [*checked, cached.token if cached else -1, _store.new_token() if comm.rank == 0 else 0]
-    )
-    if hi[: len(checked)] != lo[: len(checked)]:
+    token_word = new_token() if comm.rank == 0 else 0
+    hi, lo = _agree(comm, checked.error, [*words, cached.token if cached else -1, token_word])
+    if hi[: len(words)] != lo[: len(words)]:
         raise InconsistentShardsError(_describe_disagreement(comm, signature))
     token = hi[-1]
     if cached is None or hi[-2] != lo[-2]:
-        # 2. Not every rank holds a plan made by one earlier save of this same state: plan.
         cached = _plan_globally(comm, what, token)
     # The tree lives as long as the save. The last save's, where equal, is already old to the
     # garbage collector; a new one (two containers per node) would be promoted with every save.
-    if cached.tree == structure:
-        structure = cached.tree
-    else:
-        cached = attrs.evolve(cached, tree=structure)
+    if cached.tree != checked.structure:
+        cached = attrs.evolve(cached, tree=checked.structure)
     _remember(key, cached)
-    metas = dict(cached.metas)
+    return cached, token
 
-    # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
-    tmp = final.staging(token)
-    writer_comm = comm if not copy else background_comm(comm, f"save-{token:012x}")
+
+def _job(
+    comm: Comm,
+    final: Location,
+    layout: Layout | None,
+    options: SaveOptions,
+    checked: _Checked,
+    planned: _Planned,
+    token: int,
+    copy: bool,
+    started: float,
+) -> tuple[_Job, list[Any]]:
+    """What the write and the commit need, and the sources of this rank's boxes in their order."""
     meta = CheckpointMeta(
-        arrays=metas,
-        tree=structure,
-        mesh=mesh,
+        arrays=dict(planned.metas),
+        tree=planned.tree,
+        mesh=checked.mesh,
         rules=layout.spec_rules if layout is not None else (),
-        step=step,
-        user_metadata=dict(metadata or {}),
+        step=options.step,
+        user_metadata=dict(options.metadata or {}),
         library_version=__version__,
-        rank_state_world=comm.world if rank_doc is not None else None,
+        rank_state_world=comm.world if checked.rank_doc is not None else None,
         all_chunks_stored=True,
     )
-    mine = [(arrays[i].name, box) for i, box in cached.regular]
-    sources = [arrays[i].source for i, _ in cached.regular]
+    mine = [(checked.arrays[i].name, box) for i, box in planned.regular]
+    sources = [checked.arrays[i].source for i, _ in planned.regular]
     # Boundary fragments travel now, on the caller's thread: the process group is free, and
     # each rank sends at most one row block's fragment per flat buffer.
-    for name, box, data in _flat_writes(comm, flats, cached.flat_shards, mesh):
+    for name, box, data in _flat_writes(comm, checked.flats, planned.flat_shards, checked.mesh):
         mine.append((name, box))
         sources.append(data)
-    job = _Job(
-        tmp, final, meta, metas, mine, rank_doc, overwrite, concurrency, direct_io, t0, "save_async" if copy else "save"
-    )
-    job.phases.since("plan", t0)
-    items = [Staged(source) for source in sources]
-    fut = SaveFuture(final.url)
+    operation = "save_async" if copy else "save"
+    job = _Job(final.staging(token), final, meta, mine, checked.rank_doc, options, started, operation)
+    return job, sources
 
-    # 4. Stage and write. A synchronous save writes straight from the live tensors.
-    if not copy:
-        for s in items:
-            s.view()
-        fut._set_staged()
-        _write_and_commit(job, items, writer_comm, fut, None, None)
-        return fut
+
+def _run_now(job: _Job, items: list[Staged], comm: Comm | StoreComm) -> SaveFuture:
+    """``save``: write from the live tensors and commit on the caller's thread."""
+    fut = SaveFuture(job.final.url)
+    for s in items:
+        s.view()
+    fut._set_staged()
+    _write_and_commit(job, items, comm, fut, None, None)
+    return fut
+
+
+def _run_in_background(job: _Job, items: list[Staged], comm: Comm | StoreComm, options: SaveOptions) -> SaveFuture:
+    """``save_async``: stage (here, or on a thread with ``lazy``) while a thread writes and commits."""
+    fut = SaveFuture(job.final.url)
     stream = side_stream(items)
     if stream is not None:
         fut._wait_staged_hook = stream.synchronize
     returned = threading.Event()  # the result reports how long this call blocked
+    budget = options.host_memory_budget
     # Within the budget the writer starts once everything is staged: writing meanwhile would
     # only compete with the copy for the GIL and the cores. Over it, writes must free buffers.
     waves = budget is not None and sum(s.nbytes for s in items) > budget
     gate = None if waves else fut._staged
     swap_in_flight(fut)
     threading.Thread(
-        target=_write_and_commit, args=(job, items, writer_comm, fut, returned, gate), name="layoutckpt-save"
+        target=_write_and_commit, args=(job, items, comm, fut, returned, gate), name="layoutckpt-save"
     ).start()
 
     def stage() -> None:
@@ -406,7 +422,7 @@ def _start(
         fut._set_staged()
 
     try:
-        if lazy:
+        if options.lazy:
             threading.Thread(target=_quietly(stage), name="layoutckpt-stage", daemon=True).start()
         else:
             try:
@@ -416,7 +432,7 @@ def _start(
                 fut._observed = True  # raised here; the next save must not raise it again
                 raise
     finally:
-        fut._blocked_seconds = time.perf_counter() - t0
+        fut._blocked_seconds = time.perf_counter() - job.started
         returned.set()
     return fut
 
@@ -433,8 +449,9 @@ class _Planned:
 
 
 # The plans of the last few states this process saved, by everything they depend on that this
-# rank knows alone. A training loop saves one state again and again: its global shapes, array
-# documents and write assignment are planned once, and later saves run one collective, not four.
+# rank knows alone: a cache, never a setting. A training loop saves one state again and again:
+# its global shapes, array documents and write assignment are planned once, and later saves run
+# one collective, not four.
 _PLANS: collections.OrderedDict[Any, _Planned] = collections.OrderedDict()
 _PLANS_KEPT = 4
 
@@ -459,6 +476,19 @@ class _ToPlan:
         flat = tuple((a.name, a.dtype, a.shape, a.itemsize, a.kind, repr(spec)) for a, spec in self.flats)
         return (comm.rank, tuple(comm.global_ranks), self.mesh, local, flat, self.inner_chunk_bytes, self.compression)
 
+    def meta(self, name: str, a: _Local, shape: tuple[int, ...], outer: tuple[int, ...], **more: Any) -> ArrayMeta:
+        """The document of the array ``name`` (of ``a``'s dtype), stored in shards of ``outer``."""
+        return ArrayMeta(
+            path=name_to_path(name),
+            shape=shape,
+            dtype=a.dtype,
+            shard_shape=outer,
+            inner_chunk_shape=_plan.chunk_shape_for(outer, a.itemsize, self.inner_chunk_bytes),
+            kind=a.kind,
+            compression=self.compression,
+            **more,
+        )
+
 
 def _remember(key: Any, planned: _Planned) -> None:
     """Keep ``planned`` as the newest plan; the oldest of more than ``_PLANS_KEPT`` goes.
@@ -476,65 +506,64 @@ def _remember(key: Any, planned: _Planned) -> None:
 def _plan_globally(comm: Comm, what: _ToPlan, token: int) -> _Planned:
     """Global shapes from every rank's local shapes, the array documents, and this rank's
     writes; this rank's shards are checked against them on every rank."""
-    mesh, arrays, shardings, flats = what.mesh, what.arrays, what.shardings, what.flats
-    inner_chunk_bytes, compression = what.inner_chunk_bytes, what.compression
-    local_dims = [d for a in arrays for d in a.shape]
+    metas, plan_arrays = _array_metas(comm, what)
+    flat_shards = _flat_metas(what, metas)
+    error = None
+    try:
+        _check_shards(comm.rank, what, plan_arrays)
+    except InconsistentShardsError as err:
+        error = err
+    _agree(comm, error, [])
+    return _Planned(token, metas, _plan.writes_of(plan_arrays, what.mesh, comm.rank), flat_shards)
+
+
+def _array_metas(comm: Comm, what: _ToPlan) -> tuple[dict[str, ArrayMeta], list[_plan.ArraySpec]]:
+    """The document and the plan entry of each regular array, its global shape recovered from
+    every rank's local shape (or its DTensor's)."""
+    local_dims = [d for a in what.arrays for d in a.shape]
     sums = comm.all_reduce(local_dims, "sum")
     maxs, mins = comm.all_max_min(local_dims)
     metas: dict[str, ArrayMeta] = {}
     plan_arrays: list[_plan.ArraySpec] = []
     offset = 0
-    for a, (m, spec) in zip(arrays, shardings):
+    for a, (m, spec) in zip(what.arrays, what.shardings):
         sl = slice(offset, offset + len(a.shape))
         offset += len(a.shape)
         if a.dtensor is not None:
             shape = tuple(a.dtensor.shape)
         else:
             shape = _plan.global_shape_from_sums(a.name, spec, m, sums[sl], mins[sl], maxs[sl])
+        own_mesh = m if m != what.mesh else None
         outer = _plan.shard_shape(shape, spec, m)
-        metas[a.name] = ArrayMeta(
-            path=name_to_path(a.name),
-            shape=shape,
-            dtype=a.dtype,
-            shard_shape=outer,
-            inner_chunk_shape=_plan.chunk_shape_for(outer, a.itemsize, inner_chunk_bytes),
-            spec=spec,
-            kind=a.kind,
-            compression=compression,
-            mesh=m if m != mesh else None,
-        )
-        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize, m if m != mesh else None))
+        metas[a.name] = what.meta(a.name, a, shape, outer, spec=spec, mesh=own_mesh)
+        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize, own_mesh))
+    return metas, plan_arrays
+
+
+def _flat_metas(what: _ToPlan, metas: dict[str, ArrayMeta]) -> list[list[tuple[int, ...]]]:
+    """Add the document of each flat buffer's parameters to ``metas``; their shard shapes."""
     flat_shards: list[list[tuple[int, ...]]] = []
-    for a, spec in flats:
+    for a, spec in what.flats:
         flat_shards.append([])
         for stored, (_, shape) in zip(_flat_names(a, spec), spec.params):
             outer = _flat.row_shard_shape(shape, a.itemsize, _flat.DEFAULT_SHARD_BYTES)
             flat_shards[-1].append(outer)
-            metas[stored] = ArrayMeta(
-                path=name_to_path(stored),
-                shape=shape,
-                dtype=a.dtype,
-                shard_shape=outer,
-                inner_chunk_shape=_plan.chunk_shape_for(outer, a.itemsize, inner_chunk_bytes),
-                spec=P(),
-                kind=a.kind,
-                compression=compression,
+            metas[stored] = what.meta(stored, a, shape, outer, spec=P())
+    return flat_shards
+
+
+def _check_shards(rank: int, what: _ToPlan, plan_arrays: list[_plan.ArraySpec]) -> None:
+    """Each local shard has the shape its rank's box of the recovered global shape has."""
+    for a, pa in zip(what.arrays, plan_arrays):
+        mesh = pa.mesh or what.mesh
+        expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, mesh, rank))
+        if a.shape != expected:
+            raise InconsistentShardsError(
+                f"array {a.name!r}: rank {rank} holds a shard of shape {a.shape}, but "
+                f"the global shape {pa.shape} recovered from all ranks, split by {pa.spec!r} on "
+                f"{mesh!r} (as torch.chunk would), gives this rank {expected}; check that every "
+                "rank passes its own shard of the same tensor"
             )
-    error = None
-    try:
-        for a, pa in zip(arrays, plan_arrays):
-            expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, pa.mesh or mesh, comm.rank))
-            if a.shape != expected:
-                raise InconsistentShardsError(
-                    f"array {a.name!r}: rank {comm.rank} holds a shard of shape {a.shape}, but "
-                    f"the global shape {pa.shape} recovered from all ranks, split by {pa.spec!r} on "
-                    f"{pa.mesh or mesh!r} (as torch.chunk would), gives this rank {expected}; check that every "
-                    "rank passes its own shard of the same tensor"
-                )
-    except InconsistentShardsError as err:
-        error = err
-    _agree(comm, error, [])
-    return _Planned(token, metas, _plan.writes_of(plan_arrays, mesh, comm.rank), flat_shards)
 
 
 def _flat_names(a: _Local, spec: Flat) -> list[str]:
@@ -637,11 +666,18 @@ def _write_and_commit(
         failure = f"{type(err).__name__}: {err}".encode()
     try:
         start = time.perf_counter()
-        _commit(comm, job.tmp, job.final, job.meta, failure, job.overwrite)
+        _commit(comm, job.tmp, job.final, job.meta, failure, job.options.overwrite)
         job.phases.since("commit", start)
     except BaseException as err:  # noqa: BLE001 - the future raises it
         fut._finish(error=err)
         return
+    fut._finish(_result(job, comm, fut, written, returned))
+
+
+def _result(
+    job: _Job, comm: Comm | StoreComm, fut: SaveFuture, written: int, returned: threading.Event | None
+) -> SaveResult:
+    """This rank's ``SaveResult`` of a committed save, with its metrics."""
     seconds = time.perf_counter() - job.started
     held, staged = seconds, 0  # a synchronous save held the caller throughout and copied nothing
     if returned is not None:
@@ -661,130 +697,39 @@ def _write_and_commit(
         flight.most_bytes,
         seconds,
     )
-    fut._finish(SaveResult(job.final.url, written, len(job.mine), seconds, held, staged, report(metrics)))
+    return SaveResult(job.final.url, written, len(job.mine), seconds, held, staged, report(metrics))
 
 
 def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
-    """Issue every write as soon as its shard is staged, write this rank's share of the Zarr
-    documents meanwhile, then make it all durable; a written buffer goes back at once.
-
-    On a local file system a box that is one whole shard is written by ``_shardfile`` on a few
-    threads (half the CPU time of TensorStore's path; a large shard past the page cache, with
-    ``job.direct_io``, and each other file's writeback started as it is closed); other boxes,
-    and every box on an object store, go through TensorStore.
-    """
-    pending = []
-    written = 0
-    local = job.tmp if isinstance(job.tmp, LocalDir) else None
-    writers = Workers("layoutckpt-write", _shardfile.THREADS) if local else None
+    """Start every write as soon as its box is staged, write this rank's share of the Zarr
+    documents meanwhile, then make it all durable; a written buffer goes back at once. Which
+    writer writes a box is the location's choice (``Location.box_writer``)."""
+    _faults.point("save.write", url=job.final.url)
+    writer = job.tmp.box_writer(job.options.io, job.in_flight)
     try:
-        ctx = _store.context(job.concurrency)
-        opened: dict[str, Any] = {}
         for (name, box), item in zip(job.mine, items):
-            meta = job.metas[name]
-            cell = _plan.shard_cell(box, meta.shape, meta.shard_shape) if local is not None else None
-            if cell is not None:
-                assert writers is not None and local is not None
-                writers.submit(_write_shard_file, job, local, meta, cell, item)
-                continue
-            if name not in opened:
-                opened[name] = _store.open_array(ctx, job.tmp, meta)
-            store = opened[name].result()
-            data = item.wait()
-            target = store[tuple(slice(a, b) for a, b in box)] if box else store
-            job.in_flight.start(data.nbytes)
-            w = target.write(data, can_reference_source_data_indefinitely=True)
-
-            def settled(_: Any, item: Staged = item, nbytes: int = data.nbytes) -> None:
-                job.in_flight.done(nbytes)
-                item.release()  # back-pressure: staging may be waiting for exactly this buffer
-
-            w.commit.add_done_callback(settled)
-            pending.append(w)
-            written += data.nbytes
-        _write_skeleton(job.tmp, job.meta, rank, world)
+            writer.write(job.meta.arrays[name], box, item)
+        job.tmp.write_many(hierarchy.documents(job.meta, rank, world))
         if job.rank_doc is not None:
             job.tmp.write(_rankstate.file_name(rank), job.rank_doc)
-        for w in pending:
-            w.result()
-        if writers is not None:
-            written += writers.join()
+        written = writer.join()
         # Durable before this rank reports success: the marker may follow at once.
         job.tmp.make_durable()
     finally:
-        for w in pending:
-            try:
-                w.result()
-            except Exception:  # noqa: BLE001 - the first failure is already being raised
-                pass
+        # A writer thread may wait for an item the save will never stage: it fails instead.
         for item in items:
             item.fail(SaveError("the save stopped before this shard was written"))
-        if writers is not None:
-            # Unstarted shards are dropped; a thread may still be writing from a staged buffer.
-            writers.close()
+        writer.close()
         for item in items:
             item.release()
     return written
-
-
-def _write_shard_file(job: _Job, root: LocalDir, meta: ArrayMeta, cell: tuple[int, ...], item: Staged) -> int:
-    """Write one whole shard of ``meta`` from its staged box; returns the bytes of the box."""
-    try:
-        data = item.wait()
-        job.in_flight.start(data.nbytes)
-        _shardfile.write_shard(root.root, meta, cell, data.dtype, data, start_writeback=True, direct=job.direct_io)
-        job.in_flight.done(data.nbytes)
-        return data.nbytes
-    finally:
-        item.release()  # back-pressure: staging may be waiting for exactly this buffer
-
-
-def _check_user_metadata(metadata: Mapping[str, Any] | None) -> None:
-    """User metadata is stored as strict JSON in the commit marker: check it before writing."""
-    import json
-
-    if metadata is None:
-        return
-    if not isinstance(metadata, Mapping):
-        raise TypeError(f"metadata= must be a dict of JSON values, got {type(metadata).__name__}")
-    for key, value in metadata.items():
-        try:
-            json.dumps({key: value}, allow_nan=False)
-        except (TypeError, ValueError) as err:
-            raise TypeError(
-                f"metadata[{key!r}] cannot be stored as JSON ({err}); use str/int/float/bool/None, "
-                "lists and dicts of them, with finite floats"
-            ) from None
-        if not isinstance(key, str):
-            raise TypeError(f"metadata key {key!r} must be a str")
-
-
-def _write_skeleton(tmp: Location, meta: CheckpointMeta, rank: int, world: int) -> None:
-    """This rank's share of the Zarr documents of every group and array, so plain ``zarr`` can
-    walk the hierarchy. Shared round-robin: a model has hundreds of them, and one rank writing
-    all would hold up the commit."""
-    import json
-
-    groups: set[str] = set()
-    docs: list[tuple[str, bytes | None]] = []
-    for a in meta.arrays.values():
-        parts = a.path.split("/")
-        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        docs.append((a.path, None))
-    if meta.rank_state_world is not None:
-        groups.add(_rankstate.DIR)
-    docs.extend((g, group_document()) for g in sorted(groups))
-    arrays = {a.path: a for a in meta.arrays.values()}
-    tmp.write_many(
-        (f"{path}/zarr.json", doc or json.dumps(arrays[path].zarr_metadata()).encode())
-        for path, doc in docs[rank::world]
-    )
 
 
 def _commit(
     comm: Comm | StoreComm, tmp: Location, final: Location, meta: CheckpointMeta, failure: bytes, overwrite: bool
 ) -> None:
     """Commit only if every rank wrote all it had to; otherwise remove the partial data."""
+    _faults.point("save.agree", rank=comm.rank)
     (failed,) = comm.all_reduce([1 if failure else 0], "max")
     if failed:
         messages = comm.all_gather_bytes(failure)
@@ -793,6 +738,7 @@ def _commit(
         comm.barrier()
         detail = "; ".join(f"rank {r}: {m.decode()}" for r, m in enumerate(messages) if m)
         raise SaveError(f"saving {final.url!r} failed, nothing was committed: {detail}")
+    _faults.point("save.agreed", rank=comm.rank, staging=tmp.url, final=final.url)
     status = b""
     if comm.rank == 0:
         try:
@@ -804,6 +750,7 @@ def _commit(
     status = comm.broadcast_bytes(status if comm.rank == 0 else None)
     if status:
         raise SaveError(f"committing {final.url!r} failed on rank 0: {status.decode()}")
+    _faults.point("save.committed", rank=comm.rank, final=final.url)
 
 
 def _describe_disagreement(comm: Comm, signature: list[Any]) -> str:

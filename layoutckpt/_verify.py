@@ -3,18 +3,17 @@
 For each array: its own ``zarr.json`` agrees with the root document (plain zarr reads only that
 one); every shard file its grid needs is stored (in checkpoints marked ``all_chunks_stored``;
 older ones could leave out all-zero shards, which read as zeros); and every shard, read through
-TensorStore, passes the crc32c checks of its index and inner chunks (``DATA_LOSS``) with no inner
+the read engine, passes the crc32c checks of its index and inner chunks (``DATA_LOSS``) with no inner
 chunk missing (``NOT_FOUND``). Then every per-rank document must parse. A damaged array does not
 stop the others from being checked.
 
-Memory stays bounded whatever the sizes: shards are read in the loader's pieces of whole
-inner-chunk rows (``_readplan.read_pieces``), at most ``BUDGET_BYTES`` of them in flight, and
-each result is dropped once checked.
+Memory stays bounded whatever the sizes: shards are read by the read engine in pieces of whole
+inner-chunk rows (``_readplan.read_pieces``), at most ``IOConfig.budget_bytes`` of them in
+flight, and each piece is dropped once checked.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 import re
@@ -26,11 +25,9 @@ import attrs
 from ._reader import Reader
 from .base._errors import FormatError, IntegrityError
 from .engine import _readplan
+from .engine._read import BoxRead
+from .format._shard import grid_cells
 from .layout._plan import Box, box_shape, chunks_touched
-from .storage import _store
-from .storage._shardfile import grid_cells
-
-BUDGET_BYTES = 64 << 20
 
 
 @attrs.frozen
@@ -118,31 +115,30 @@ def stored_shards(rd: Reader, name: str, v: Verification) -> set[str]:
     return present
 
 
-def _reads(rd: Reader, name: str, present: set[str]) -> Iterator[tuple[str, Box]]:
-    """(shard key, piece) of reads that cover every stored shard of ``name`` once."""
+def _reads(rd: Reader, name: str, present: set[str]) -> Iterator[BoxRead]:
+    """Reads that cover every stored shard of ``name`` once, in pieces of whole inner-chunk rows
+    (``_readplan.read_pieces``), each keyed by its shard."""
     a = rd.meta.arrays[name]
     for cell in grid_cells(a.shape, a.shard_shape):
         key = a.chunk_key(cell)
         if key in present:
             for piece in _readplan.read_pieces(a, cell_box(a.shape, a.shard_shape, cell)):
-                yield key, piece
+                yield BoxRead(name, a, piece, key=key)
 
 
 def _damage(err: IntegrityError) -> str:
     text = str(err)
-    if "NOT_FOUND" in text:
+    if "NOT_FOUND" in text or "is missing from storage" in text:
         reason = "an inner chunk is missing from the shard"
     else:
         reason = "fails its checksum (crc32c of an inner chunk or of the shard index)"
-    entry = re.search(r"shard entry (\{[\d, ]*\})", text)
-    if entry:  # TensorStore names the inner chunk by its position in the shard
+    entry = re.search(r"(?:shard entry|inner chunk) (\{[\d, ]*\})", text)
+    if entry:  # the position of the damaged inner chunk in the shard's grid
         reason += f", inner chunk {entry.group(1)}"
     return reason
 
 
-def verify(rd: Reader, *, progress: Callable[[int, int], None] | None = None) -> Verification:
-    """Check the checkpoint ``rd`` reads; ``progress(bytes_done, bytes_total)`` after each read."""
-    v = Verification(rd.path)
+def _present_shards(rd: Reader, v: Verification) -> dict[str, set[str]]:
     present: dict[str, set[str]] = {}
     for name in rd.keys():
         try:
@@ -150,6 +146,11 @@ def verify(rd: Reader, *, progress: Callable[[int, int], None] | None = None) ->
         except (ValueError, OSError) as err:
             v.problems.append(Finding(name, None, f"cannot list its files: {err}"))
             present[name] = set()
+    return present
+
+
+def _count(rd: Reader, v: Verification, present: dict[str, set[str]]) -> int:
+    """Count the arrays, shards and chunks to check; return their bytes."""
     total = 0
     for name, keys in present.items():
         a = rd.meta.arrays[name]
@@ -161,35 +162,30 @@ def verify(rd: Reader, *, progress: Callable[[int, int], None] | None = None) ->
                 v.shards += 1
                 v.chunks += chunks_touched(box, a.inner_chunk_shape)  # chunks past the edge are never stored
                 total += itemsize * math.prod(box_shape(box))
+    return total
 
+
+def verify(rd: Reader, *, progress: Callable[[int, int], None] | None = None) -> Verification:
+    """Check the checkpoint ``rd`` reads; ``progress(bytes_done, bytes_total)`` after each read."""
+    v = Verification(rd.path)
+    present = _present_shards(rd, v)
+    total = _count(rd, v, present)
     damaged: set[tuple[str, str]] = set()
-    pending: collections.deque[tuple[str, str, int, Any]] = collections.deque()
-    in_flight = 0
 
-    def settle() -> int:
-        name, key, nbytes, future = pending.popleft()
-        try:
-            _store.read_result(future, name, rd.path)
-        except IntegrityError as err:
-            if (name, key) not in damaged:  # one finding per shard, however many pieces fail
-                damaged.add((name, key))
-                v.problems.append(Finding(name, key, _damage(err)))
-        v.nbytes += nbytes
+    def found(r: BoxRead, err: IntegrityError) -> None:
+        if (r.name, r.key) not in damaged:  # one finding per shard, however many pieces fail
+            damaged.add((r.name, r.key))
+            v.problems.append(Finding(r.name, r.key, _damage(err)))
+        done(r)
+
+    def done(r: BoxRead) -> None:
+        v.nbytes += r.nbytes
         if progress is not None:
             progress(v.nbytes, total)
-        return nbytes
 
-    for name, keys in present.items():
-        itemsize = rd.info(name).dtype.itemsize
-        for key, piece in _reads(rd, name, keys):
-            nbytes = itemsize * math.prod(box_shape(piece))
-            while pending and in_flight + nbytes > BUDGET_BYTES:
-                in_flight -= settle()
-            index = tuple(slice(lo, hi) for lo, hi in piece)
-            pending.append((name, key, nbytes, rd.read_async(name, index if piece else None)))
-            in_flight += nbytes
-    while pending:
-        settle()
+    requests = (r for name, keys in present.items() for r in _reads(rd, name, keys))
+    for r, _ in rd.read_boxes(requests, on_damage=found):
+        done(r)  # the piece is dropped once checked: memory stays within the engine's budget
 
     if rd.meta.rank_state_world is not None:
         try:

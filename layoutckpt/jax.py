@@ -14,11 +14,10 @@ read, and a read fetches only the inner chunks the box overlaps. The boxes are t
 their devices and assembled with ``jax.make_array_from_single_device_arrays``. In a multi-process
 JAX job each process reads only its own devices' boxes.
 
-Host memory: the boxes are read in windows of about ``HOST_BATCH_BYTES`` (a large box in
-pieces of whole inner-chunk rows, copied into place), an array goes to its devices as soon as
-its last piece is in, and its host buffers are dropped once the copies are done. The next
-window is read while the current one is placed, so the host holds about two windows and the
-array being assembled, never the whole checkpoint.
+Host memory: the read engine reads the boxes in order with at most ``IOConfig.budget_bytes``
+in flight, an array goes to its devices as soon as its last box is in, and its host buffers
+are dropped once the copies are done, so the host holds the reads in flight and the array being
+assembled, never the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -31,18 +30,18 @@ from typing import Any
 import attrs
 import jax
 import numpy as np
-import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from ._load import Select, _selector
 from ._reader import ArrayInfo, Reader
 from .base._errors import LayoutError, TemplateMismatchError
-from .engine import _fetch
-from .layout import _plan
-from .layout._plan import Box
+from .base._options import IOConfig
+from .engine._read import BoxRead
+from .format._dtypes import numpy_dtype
+from .format._format import ArrayMeta
+from .layout._plan import Box, box_shape, box_size, shard_pieces
 from .layout._spec import P
 from .layout._tree import decode_value, leaf_nodes, unflatten
-from .storage import _store
 
 __all__ = ["load", "load_array"]
 
@@ -55,7 +54,6 @@ Shardings = (
     | Sequence[tuple[str, ShardingLike]]
 )
 
-HOST_BATCH_BYTES = 256 << 20
 
 Key = tuple[str, Box]  # a box of a stored array
 
@@ -66,7 +64,7 @@ def load(
     *,
     mesh: Mesh | None = None,
     select: Select = None,
-    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
+    io: IOConfig | None = None,
 ) -> Any:
     """Every (selected) array of the checkpoint at ``path`` as a ``jax.Array``, in the saved tree.
 
@@ -87,10 +85,11 @@ def load(
     divide evenly. Values stored in the tree (ints, strings, ...) come back as Python values;
     ``select=`` works as in ``layoutckpt.load``. With 64-bit types disabled in JAX (its
     default), 64-bit arrays load as 32-bit ones, as ``jnp.asarray`` would make them, and
-    integers that do not fit raise instead of wrapping.
+    integers that do not fit raise instead of wrapping. ``io`` (an ``lc.IOConfig``) tunes how
+    bytes are read.
     """
     _check_mesh(mesh)
-    with Reader(path, concurrency=concurrency) as reader:
+    with Reader(path, io=io) as reader:
         tree = reader.meta.tree
         leaves = dict(leaf_nodes(tree))
         array_names = [n for n, node in leaves.items() if "array" in node]
@@ -115,13 +114,13 @@ def load_array(
     sharding: ShardingLike,
     *,
     mesh: Mesh | None = None,
-    concurrency: int = 32,  # _store.DEFAULT_CONCURRENCY, spelled out for the docs; a test checks
+    io: IOConfig | None = None,
 ) -> jax.Array:
     """One array of a checkpoint (a path, or a ``layoutckpt.open`` reader) as a ``jax.Array``."""
     _check_mesh(mesh)
     if isinstance(source, Reader):
         return _load_one(source, name, sharding, mesh)
-    with Reader(source, concurrency=concurrency) as reader:
+    with Reader(source, io=io) as reader:
         return _load_one(reader, name, sharding, mesh)
 
 
@@ -226,7 +225,6 @@ class _ArrayPlan:
     stored: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    rows: int  # of an inner chunk: large boxes are read in pieces of whole chunk rows
     sharding: Sharding
     placements: tuple[tuple[Any, Box], ...]
 
@@ -254,8 +252,7 @@ def _plan_array(info: ArrayInfo, stored: str, sharding: Sharding) -> _ArrayPlan:
             "so pick a spec that divides it (or replicate it with P())"
         )
     placements = tuple((device, _box(index, shape)) for device, index in indices.items())
-    rows = info.inner_chunk_shape[0] if info.inner_chunk_shape else 1
-    return _ArrayPlan(info.name, stored, shape, info.dtype, rows, sharding, placements)
+    return _ArrayPlan(info.name, stored, shape, info.dtype, sharding, placements)
 
 
 def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -271,88 +268,73 @@ def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
 
 
 def _materialize(reader: Reader, plans: list[_ArrayPlan]) -> dict[str, jax.Array]:
-    """``{name: jax.Array}``: every distinct box read once, then placed on its devices.
+    """``{name: jax.Array}``: the chunks the devices' boxes need, each read once by the read
+    engine into one host array per stored array, then placed on the devices.
 
-    Boxes are cut into pieces of whole inner-chunk rows (``_fetch``) and the pieces into windows
-    of about ``HOST_BATCH_BYTES``. A window is one ``ts.Batch``: TensorStore then reads each
-    inner chunk and shard index the window needs once, however many boxes overlap it (without
-    a batch, two devices' boxes in one chunk may both fetch it). The next window is in flight
-    while the current one is placed. Names tied at save time, under the same sharding, share
-    one array.
+    The stored arrays are read in order, at most ``IOConfig.budget_bytes`` in flight, so each
+    is placed as soon as its last read is in, and its host array is dropped once the devices
+    hold their copies. Names tied at save time, under the same sharding, share one array.
     """
     unique = list({(p.stored, p.sharding): p for p in plans}.values())
-    owner: dict[Key, _ArrayPlan] = {}
-    users: dict[Key, int] = {}  # how many arrays still to build need each box
+    groups: dict[str, list[_ArrayPlan]] = {}
     for plan in unique:
-        for box in plan.boxes:
-            owner.setdefault((plan.stored, box), plan)
-            users[plan.stored, box] = users.get((plan.stored, box), 0) + 1
-    pieces = {key: _pieces(reader, plan, key[1]) for key, plan in owner.items()}
-    left = {key: len(p) for key, p in pieces.items()}
-    host: dict[Key, np.ndarray] = {}
-    for key, plan in owner.items():
-        if len(pieces[key]) != 1:  # filled piece by piece (or empty)
-            host[key] = np.empty(_plan.box_shape(key[1]), dtype=plan.dtype)
-    windows: list[list[tuple[Key, Box]]] = [[]]
-    size = 0
-    for key, plan in owner.items():
-        for piece in pieces[key]:
-            nbytes = _plan.box_size(piece) * plan.dtype.itemsize
-            if windows[-1] and size + nbytes > HOST_BATCH_BYTES:
-                windows.append([])
-                size = 0
-            windows[-1].append((key, piece))
-            size += nbytes
-
-    def issue(window: list[tuple[Key, Box]]) -> list[tuple[Key, Box, Any]]:
-        with ts.Batch() as batch:
-            return [(key, piece, _read(reader.tensorstore(key[0]), piece, batch)) for key, piece in window]
-
+        groups.setdefault(plan.stored, []).append(plan)
+    hosts: dict[str, tuple[Box, np.ndarray]] = {}
+    left: dict[str, int] = {}
+    requests: list[BoxRead] = []
+    for stored, group in groups.items():
+        meta = reader.meta.arrays[stored]
+        region, reads = _covering_reads(meta, [box for plan in group for box in plan.boxes])
+        host = np.empty(box_shape(region), numpy_dtype(meta.dtype))
+        hosts[stored], left[stored] = (region, host), len(reads)
+        requests += [BoxRead(stored, meta, r, _within(host, region, r), key=stored) for r in reads]
     built: dict[tuple[str, Sharding], jax.Array] = {}
-    placed = 0
-    in_flight = issue(windows[0])
-    for i in range(len(windows)):
-        current, in_flight = in_flight, issue(windows[i + 1]) if i + 1 < len(windows) else []
-        for key, piece, future in current:
-            data = _store.read_result(future, owner[key].name, reader.path)
-            if piece == key[1]:
-                host[key] = data
-            else:
-                offset = piece[0][0] - key[1][0][0]
-                host[key][offset : offset + data.shape[0]] = data
-            left[key] -= 1
-        # Windows follow the plans' order, so the plans done are those up to the first that is not.
-        done = []
-        while placed < len(unique) and all(left[unique[placed].stored, b] == 0 for b in unique[placed].boxes):
-            plan = unique[placed]
-            built[plan.stored, plan.sharding] = _place(plan, host)
-            done.append(built[plan.stored, plan.sharding])
-            for box in plan.boxes:
-                users[plan.stored, box] -= 1
-                if users[plan.stored, box] == 0:
-                    del host[plan.stored, box]
-            placed += 1
-        # Wait for the copies, so this window's host buffers are free before the next is issued.
-        jax.block_until_ready(done)
-    assert placed == len(unique)
+
+    def place(stored: str) -> None:
+        region, host = hosts.pop(stored)
+        for plan in groups[stored]:
+            built[plan.stored, plan.sharding] = array = _place(plan, region, host)
+            jax.block_until_ready([array])  # the copies are done: the host array may go
+
+    for stored in [s for s, n in left.items() if n == 0]:
+        place(stored)
+    for r, _ in reader.read_boxes(requests):
+        left[r.key] -= 1
+        if left[r.key] == 0:
+            place(r.key)
     return {p.name: built[p.stored, p.sharding] for p in plans}
 
 
-def _pieces(reader: Reader, plan: _ArrayPlan, box: Box) -> list[Box]:
-    """``box`` in pieces of whole inner-chunk rows of at most about ``_fetch.PIECE_BYTES``; none if empty."""
-    if _plan.box_size(box) == 0:
-        return []
-    request = _fetch.Request(box, reader.tensorstore(plan.stored), box, plan.dtype, plan.rows, plan.name)
-    return _fetch._pieces(request, _fetch.PIECE_BYTES)
+def _covering_reads(meta: ArrayMeta, boxes: list[Box]) -> tuple[Box, list[Box]]:
+    """The region a host array must cover for ``boxes``, and the reads that fill what they need
+    of it: in each shard they touch, the bounding box of the inner chunks they overlap there.
+    Devices' boxes that cut through one inner chunk then share its read, and each shard's index
+    is read once."""
+    shape, shard, inner = meta.shape, meta.shard_shape, meta.inner_chunk_shape
+    per_shard: dict[tuple[int, ...], list[list[int]]] = {}
+    for box in (b for b in boxes if box_size(b) > 0):
+        for piece in shard_pieces(box, shard):
+            cell = tuple(a // s for (a, _), s in zip(piece, shard))
+            aligned = [[a // c * c, min(-(-b // c) * c, n)] for (a, b), c, n in zip(piece, inner, shape)]
+            held = per_shard.setdefault(cell, aligned)
+            for dim, (lo, hi) in enumerate(aligned):
+                held[dim] = [min(held[dim][0], lo), max(held[dim][1], hi)]
+    reads = [tuple((lo, hi) for lo, hi in read) for read in per_shard.values()]
+    if not reads:
+        return tuple((0, 0) for _ in shape), []
+    region = tuple((min(r[d][0] for r in reads), max(r[d][1] for r in reads)) for d in range(len(shape)))
+    return region, reads
 
 
-def _read(store: ts.TensorStore, piece: Box, batch: ts.Batch) -> ts.Future[np.ndarray]:
-    view = store[tuple(slice(a, b) for a, b in piece)] if piece else store
-    return view.read(batch=batch)
+def _within(host: np.ndarray, region: Box, box: Box) -> np.ndarray:
+    """The view of ``host`` (which holds ``region``) that holds ``box``."""
+    if box_size(box) == 0:
+        return np.empty(box_shape(box), host.dtype)
+    return host[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, region))] if box else host[...]
 
 
-def _place(plan: _ArrayPlan, host: Mapping[Key, np.ndarray]) -> jax.Array:
-    data = {box: _jax_dtype(host[plan.stored, box], plan.name) for box in plan.boxes}
+def _place(plan: _ArrayPlan, region: Box, host: np.ndarray) -> jax.Array:
+    data = {box: _jax_dtype(_within(host, region, box), plan.name) for box in plan.boxes}
     devices = [SingleDeviceSharding(d, memory_kind=plan.sharding.memory_kind) for d, _ in plan.placements]
     shards = jax.device_put([data[box] for _, box in plan.placements], devices)
     return jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, shards)

@@ -5,7 +5,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from .multirank import RankPool
+from tests.support.multirank import RankPool
 
 settings.register_profile(
     "ci",

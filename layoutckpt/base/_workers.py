@@ -13,11 +13,10 @@ class Workers:
     numbers they return (``None`` counts as 0).
 
     Not a ``ThreadPoolExecutor``: its ``Future`` per call is about 15 objects the garbage
-    collector tracks (a ``Condition`` with its lock, bound methods and lists). A save of 406
-    shards kept 6,000 of them alive for the whole save, so every save promoted them to the oldest
-    generation, and a full collection, which walks all of torch's 190,000 objects in 85-120 ms,
-    came every third save. Here a call is one queued tuple. Once a call has raised, the calls
-    not yet started are dropped.
+    collector tracks (a ``Condition`` with its lock, bound methods and lists). Thousands of them
+    alive for a whole save are promoted to the oldest generation, which brings on full
+    collections that walk all of torch's objects. Here a call is one queued tuple. Once a call
+    has raised, the calls not yet started are dropped.
     """
 
     def __init__(self, name: str, threads: int) -> None:

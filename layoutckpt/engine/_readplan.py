@@ -9,10 +9,10 @@ inner chunk it overlaps, whole (a chunk at the array's edge is stored padded).
 *Read amplification* is the bytes of the inner chunks fetched over the bytes the boxes hold:
 1.0 when every target box is a union of whole inner chunks. Index and checksum bytes are
 counted apart, as ``overhead_bytes``. For uncompressed arrays ``bytes_read + overhead_bytes``
-is what a load fetches from storage (measured in ``tests/test_cli.py``): exactly, from a local
-directory, whose shard files the loader reads itself (``_shardfile.read_box``: each shard's index
+is what a load fetches from storage (checked in ``tests/integration/test_cli.py``): exactly, from a local
+directory, whose shard files the loader reads itself (``_shardread.read_box``: each shard's index
 once per box, then its chunks); but for a few bytes from an object store, where TensorStore
-reads a box over ``_fetch.PIECE_BYTES`` in pieces and shares one fetch of a shard's index only
+reads a box over ``IOConfig.piece_bytes`` in pieces and shares one fetch of a shard's index only
 among reads in flight together, so a piece issued after the others are done (past the loader's
 bytes-in-flight budget, say) fetches the index again: 16 bytes per inner chunk of the shard.
 For compressed arrays ``bytes_read`` counts decoded bytes; storage returns fewer.
@@ -27,16 +27,14 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from ..base._errors import LayoutError
+from ..base._options import DEFAULT_IO, IOConfig
 from ..format._dtypes import numpy_dtype
 from ..format._format import ArrayMeta, CheckpointMeta
+from ..format._shard import CRC_BYTES, INDEX_ENTRY_BYTES
 from ..layout._layout import Layout
-from ..layout._plan import Box, box_size, chunks_touched, shard_box
+from ..layout._plan import Box, box_size, chunks_touched, row_pieces, shard_box
 from ..layout._spec import P, check_spec
 from ..layout._tree import leaf_nodes
-from . import _fetch
-
-CRC_BYTES = 4  # after every inner chunk, and after every shard index
-INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two uint64 per inner chunk of a shard
 
 
 @attrs.frozen
@@ -111,12 +109,11 @@ def target_boxes(
     return list(out)
 
 
-def read_pieces(a: ArrayMeta, box: Box, piece_bytes: int = _fetch.PIECE_BYTES) -> list[Box]:
-    """The reads the loader issues for ``box``: the box, or pieces of whole inner-chunk rows of
-    about ``piece_bytes`` each (so that no read holds a large shard twice over)."""
+def read_pieces(a: ArrayMeta, box: Box, io: IOConfig = DEFAULT_IO) -> list[Box]:
+    """The reads the read engine issues for ``box`` on an object store: the box, or pieces of
+    whole inner-chunk rows of about ``io.piece_bytes`` each (``TensorStoreReader.pieces``)."""
     rows = a.inner_chunk_shape[0] if a.inner_chunk_shape else 1
-    request = _fetch.Request(None, None, box, numpy_dtype(a.dtype), rows, "")
-    return _fetch._pieces(request, piece_bytes)
+    return row_pieces(box, rows, numpy_dtype(a.dtype).itemsize, io.piece_bytes)
 
 
 # Cached: the replicas of a piece read the same boxes, so a plan for many ranks repeats them.

@@ -16,11 +16,11 @@ import attrs
 
 from ..base._errors import FormatError, InvalidNameError, NewerFormatError
 from ..layout._spec import Mesh, P
+from ._shard import COMPRESSIONS, compression_json
 
 FORMAT_VERSION = 2
 ATTRS_KEY = "layoutckpt"
 KINDS = ("torch", "numpy", "numpy_scalar")
-COMPRESSIONS = (None, "zstd", "blosc")
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
@@ -31,34 +31,11 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _compression_codec(compression: str | None, itemsize: int) -> list[dict[str, Any]]:
-    if compression is None:
-        return []
-    if compression == "zstd":
-        return [{"name": "zstd", "configuration": {"level": 3, "checksum": False}}]
-    if compression == "blosc":
-        return [
-            {
-                "name": "blosc",
-                "configuration": {
-                    "cname": "zstd",
-                    "clevel": 3,
-                    "shuffle": "shuffle" if itemsize > 1 else "bitshuffle",
-                    "typesize": itemsize,
-                    "blocksize": 0,
-                },
-            }
-        ]
-    raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-
-
 @functools.cache
 def _parse_helpers() -> tuple[Mapping[str, Any], Callable[[str], str]]:
-    """What ``ArrayMeta.from_dict`` checks an entry against, imported on first use and kept:
-    an import statement in the loop cost a third of the time to open a checkpoint (406 arrays:
-    5.6 ms against 3.1 ms). Imported at module level instead, the modules load in another order,
-    and gloo ranks then aborted now and then at exit ("terminate called without an active
-    exception", about 1 exit in 15 in tests/test_torch_native.py, never in 52 runs before)."""
+    """What ``ArrayMeta.from_dict`` checks an entry against, imported once and kept: opening a
+    checkpoint parses every array entry, and an import statement per entry would be a large
+    share of that time."""
     from ..layout._tree import name_to_path
     from ._dtypes import ZARR_TO_NUMPY
 
@@ -151,7 +128,7 @@ class ArrayMeta:
         fill: Any = False if self.dtype == "bool" else 0
         inner_codecs = [
             {"name": "bytes", "configuration": {"endian": "little"}},
-            *_compression_codec(self.compression, self.itemsize),
+            *compression_json(self.compression, self.itemsize),
             {"name": "crc32c"},
         ]
         return {
@@ -236,7 +213,7 @@ class CheckpointMeta:
             try:
                 # Version 1 nested each chunk key's parts as directories (``c/0/1``); version 2
                 # keeps them in one file name (``c.0.1``): a quarter fewer files and directories
-                # to create, each of which costs more than its bytes (docs/performance.md).
+                # to create, each of which costs more than its bytes.
                 separator = "/" if version == 1 else "."
                 arrays = {
                     str(name): ArrayMeta.from_dict(name, a, separator=separator) for name, a in d["arrays"].items()
@@ -296,7 +273,7 @@ def _check_tree_matches(tree: Any, arrays: Mapping[str, ArrayMeta], where: str) 
 def root_document(meta: CheckpointMeta) -> bytes:
     doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: meta.to_dict()}}
     # Compact: opening a checkpoint reads this document, and indentation doubles its size (and
-    # makes json use its pure-Python encoder: 18 ms instead of 7 for a model of 450 arrays).
+    # makes json fall back to its slower pure-Python encoder).
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -23,6 +23,7 @@ TensorStore kvstore JSON spec as a dict, for anything else those drivers accept.
 
 from __future__ import annotations
 
+import abc
 import errno
 import functools
 import os
@@ -33,9 +34,14 @@ from typing import Any
 import attrs
 import tensorstore as ts
 
+from ..base import _faults
 from ..base._errors import CheckpointExistsError, CheckpointNotFoundError
+from ..base._metrics import InFlight
+from ..base._options import IOConfig
 from ..base._workers import Workers
-from . import _store
+from . import _commit, _os
+from ._readers import BoxReader, ShardFileReader, TensorStoreReader
+from ._writers import BoxWriter, ShardFileWriter, TensorStoreWriter
 
 MARKER = "zarr.json"
 PENDING = ".layoutckpt-pending"
@@ -51,7 +57,7 @@ def shared_context() -> ts.Context:
 
 def locate(path: str | os.PathLike[str] | Mapping[str, Any] | Location) -> Location:
     """The location a user's path names (see the module docstring for the forms)."""
-    if isinstance(path, LocalDir | KvPrefix):
+    if isinstance(path, Location):
         return path
     if isinstance(path, Mapping):
         spec = dict(path)
@@ -95,8 +101,91 @@ def _url_of(spec: Mapping[str, Any]) -> str:
     return f"{scheme}://{bucket + '/' if bucket else ''}{spec['path']}".rstrip("/")
 
 
+class Location(abc.ABC):
+    """Where a checkpoint lives: the one storage interface every backend implements.
+
+    A location reads and writes the small documents (``read``, ``write``, ``write_many``), says
+    how its arrays are opened by TensorStore (``kvstore``) and how boxes of them are read
+    (``box_reader``), and carries a save through its life cycle: ``check_destination``,
+    ``prepare``, ``staging``, ``make_durable``, ``commit``, ``discard``. Nothing outside this
+    module asks which kind of location it holds. ``tests/unit/test_storage.py`` is the
+    conformance suite every backend passes.
+    """
+
+    url: str
+
+    @property
+    @abc.abstractmethod
+    def is_local(self) -> bool:
+        """Whether every rank sees the same files (a local or shared file system)."""
+
+    @abc.abstractmethod
+    def kvstore(self, rel: str = "") -> dict[str, Any]:
+        """The TensorStore kvstore spec of ``rel`` under this location."""
+
+    @abc.abstractmethod
+    def read(self, key: str) -> bytes | None:
+        """The bytes stored at ``key``, or None where there are none."""
+
+    @abc.abstractmethod
+    def write(self, key: str, data: bytes) -> None:
+        """Store ``data`` at ``key`` (durable only after ``make_durable``)."""
+
+    @abc.abstractmethod
+    def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
+        """``write`` of many small documents, several at once."""
+
+    @abc.abstractmethod
+    def exists(self) -> bool:
+        """Whether anything is stored here."""
+
+    @abc.abstractmethod
+    def committed(self) -> bool:
+        """Whether a committed checkpoint is here (its marker exists)."""
+
+    @abc.abstractmethod
+    def missing_hint(self) -> str:
+        """Why no checkpoint is found here, for an error message (empty if nothing to add)."""
+
+    @abc.abstractmethod
+    def box_reader(self, where: str, complete: bool, io: IOConfig) -> BoxReader:
+        """The reader of this checkpoint's arrays (``_readers``); ``where`` names it in errors."""
+
+    @abc.abstractmethod
+    def box_writer(self, io: IOConfig, in_flight: InFlight | None = None) -> BoxWriter:
+        """The writer of boxes of arrays here (``_writers``); ``in_flight`` counts its writes."""
+
+    @abc.abstractmethod
+    def check_destination(self, overwrite: bool) -> None:
+        """Raise ``CheckpointExistsError`` unless a save may write here."""
+
+    @abc.abstractmethod
+    def prepare(self) -> None:
+        """Claim the destination before any rank writes (rank 0 only)."""
+
+    @abc.abstractmethod
+    def staging(self, token: int) -> Location:
+        """Where the save with ``token`` writes before its commit."""
+
+    @abc.abstractmethod
+    def make_durable(self) -> None:
+        """Make everything this process wrote here durable."""
+
+    @abc.abstractmethod
+    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
+        """Write the commit marker and make ``staging`` the checkpoint here, atomically."""
+
+    @abc.abstractmethod
+    def retire(self) -> None:
+        """Delete the committed checkpoint here so that it is never listed while partly deleted."""
+
+    @abc.abstractmethod
+    def discard(self) -> None:
+        """Delete what is stored here."""
+
+
 @attrs.frozen
-class LocalDir:
+class LocalDir(Location):
     """A directory of the local (or a mounted shared) file system; commit by rename."""
 
     root: Path
@@ -120,7 +209,7 @@ class LocalDir:
 
     def write(self, key: str, data: bytes) -> None:
         # No fsync per file: ``make_durable`` syncs the whole tree at once before the commit.
-        _store.write_file(self.root / key, data, sync=False)
+        _os.write_file(self.root / key, data, sync=False)
 
     def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
         # Creating a file costs milliseconds of metadata latency, so many are created at once.
@@ -142,6 +231,12 @@ class LocalDir:
     def missing_hint(self) -> str:
         return " (the directory exists but has no commit marker: the save never finished)" if self.exists() else ""
 
+    def box_reader(self, where: str, complete: bool, io: IOConfig) -> BoxReader:
+        return ShardFileReader(self.root, where, complete, io)
+
+    def box_writer(self, io: IOConfig, in_flight: InFlight | None = None) -> BoxWriter:
+        return ShardFileWriter(self.root, self, io, in_flight)
+
     # -- the save's life cycle ------------------------------------------------------------
     def check_destination(self, overwrite: bool) -> None:
         if self.committed() and not overwrite:
@@ -158,24 +253,30 @@ class LocalDir:
         """Nothing to do: the staging directory is new."""
 
     def staging(self, token: int) -> LocalDir:
-        return LocalDir(_store.temp_dir_for(self.root, token))
+        return LocalDir(_commit.temp_path(self.root, token))
 
     def make_durable(self) -> None:
         if self.root.exists():  # absent when this rank had nothing to write
-            _store.fsync_tree(self.root)
+            _os.fsync_tree(self.root)
 
     def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
         assert isinstance(staging, LocalDir)
-        # Every rank made its part durable before it reported success; the marker is synced.
-        _store.write_file(staging.root / MARKER, marker)
-        _store.commit_dir(staging.root, self.root, overwrite=overwrite)
+        # Every rank made its part durable before it reported success; the marker is synced,
+        # then the whole directory renamed into place (``_commit.publish``).
+        _faults.point("commit.marker", staging=staging.url, final=self.url)
+        _os.write_file(staging.root / MARKER, marker)
+        _commit.publish(staging.root, self.root, overwrite=overwrite)
+
+    def retire(self) -> None:
+        """Delete a committed checkpoint: renamed aside first, so it is never seen half deleted."""
+        _commit.retire(self.root)
 
     def discard(self) -> None:
-        _store.remove_tree(self.root)
+        _commit.remove_tree(self.root)
 
 
 @attrs.frozen(eq=False)
-class KvPrefix:
+class KvPrefix(Location):
     """A key prefix of a TensorStore key-value store (s3, gcs, memory, ...); commit by marker."""
 
     spec: dict[str, Any]
@@ -217,6 +318,12 @@ class KvPrefix:
     def committed(self) -> bool:
         return self.read(MARKER) is not None
 
+    def box_reader(self, where: str, complete: bool, io: IOConfig) -> BoxReader:
+        return TensorStoreReader(self, where, complete, io)
+
+    def box_writer(self, io: IOConfig, in_flight: InFlight | None = None) -> BoxWriter:
+        return TensorStoreWriter(self, io, in_flight)
+
     def missing_hint(self) -> str:
         if self.read(PENDING) is not None:
             return " (the prefix holds an unfinished save: it has no commit marker)"
@@ -252,7 +359,10 @@ class KvPrefix:
 
     def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
         assert staging is self and not overwrite
+        # No rename: the marker, written last, is the commit.
+        _faults.point("commit.marker", staging=self.url, final=self.url)
         self.write(MARKER, marker)
+        _faults.point("commit.published", final=self.url)
         self._kv.delete_range(ts.KvStore.KeyRange(PENDING, PENDING + "\0")).result()
 
     def retire(self) -> None:
@@ -267,9 +377,6 @@ class KvPrefix:
         for f in [self._kv.delete_range(r) for r in everything_else]:
             f.result()
         self._kv.delete_range(ts.KvStore.KeyRange(PENDING, PENDING + "\0")).result()
-
-
-Location = LocalDir | KvPrefix
 
 
 def _exists(url: str) -> CheckpointExistsError:

@@ -2,13 +2,15 @@
 
 Every rank plans alone; the collectives only check that the ranks agree (a digest of names and
 dtypes, the sums and extremes of local shapes), share the temporary directory's name, and
-agree on success before the commit.
+agree on success before the commit. Each returns only once gloo's worker threads hold none of
+its tensors (``_let_go``), so a process may end right after one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +19,11 @@ import attrs
 from ..base._errors import WorldSizeError
 from ..layout._spec import Mesh
 from ._torch import dist, distributed, torch
+
+# The longest a collective waits for gloo's worker to let go of its tensors. The worker drops a
+# finished work at once, or a few milliseconds later on busy cores; past this, a backend that
+# keeps its works longer is not waited for.
+LET_GO_SECONDS = 2.0
 
 
 @attrs.frozen
@@ -44,6 +51,7 @@ class Comm:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group)
+        self._let_go(t)
         return t.tolist()
 
     def all_max_min(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -58,6 +66,7 @@ class Comm:
             return data
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(size, group=self.group, group_src=0)
+        self._let_go(size)
         if int(size.item()) == 0:
             return b""
         buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
@@ -65,19 +74,23 @@ class Comm:
             assert data is not None
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         dist.broadcast(buf, group=self.group, group_src=0)
+        self._let_go(buf)
         return bytes(buf.cpu().numpy().tobytes())
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         if self.world == 1:
             return [data]
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self.device), group=self.group)
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        dist.all_gather(sizes, length, group=self.group)
+        self._let_go(length, *sizes)
         longest = max(1, max(int(s.item()) for s in sizes))
         mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         if data:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         bufs = [torch.zeros(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
         dist.all_gather(bufs, mine, group=self.group)
+        self._let_go(mine, *bufs)
         return [bytes(b.cpu().numpy()[: int(s.item())].tobytes()) for b, s in zip(bufs, sizes)]
 
     def barrier(self) -> None:
@@ -96,8 +109,28 @@ class Comm:
             return
         ops = [dist.P2POp(dist.isend, _as_bytes(t), self._global(to), self.group, tag) for to, tag, t in sends]
         ops += [dist.P2POp(dist.irecv, _as_bytes(t), self._global(src), self.group, tag) for src, tag, t in recvs]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        works = dist.batch_isend_irecv(ops)
+        while works:
+            works.pop().wait()
+        self._let_go(*(op.tensor for op in ops))
+
+    def _let_go(self, *tensors: torch.Tensor) -> None:
+        """Return once no thread but this one holds ``tensors``, the tensors of a finished collective.
+
+        gloo's ``wait()`` returns as soon as the result is in; the worker thread that ran the
+        collective drops its work, and with it the work's references to the tensors, a moment
+        later (``ProcessGroupGloo::runLoop``). A tensor whose Python object is gone by then is
+        freed on that thread, which takes the GIL to do it. Should the interpreter have begun
+        shutting down, as when the caller's last step was this collective, the thread is stopped
+        inside C++ and the process aborts ("terminate called without an active exception").
+        Held here until the worker has let go, the tensors are freed on the calling thread.
+        """
+        if not tensors or tensors[0].device.type != "cpu" or "gloo" not in str(dist.get_backend(self.group)):
+            return  # other backends keep their works longer (NCCL's watchdog); not waited for
+        deadline = time.monotonic() + LET_GO_SECONDS
+        for t in tensors:
+            while t._use_count() > 1 and time.monotonic() < deadline:
+                time.sleep(0.0001)  # the worker needs a core, not the GIL, to drop its work
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..base import _faults
 from ._tensors import to_numpy
 from ._torch import installed, is_tensor, torch
 
@@ -45,6 +46,7 @@ class HostBuffers:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of exactly ``nbytes``; waits while the budget is used by buffers in flight."""
+        _faults.point("save.stage_buffer", nbytes=nbytes)
         with self._cond:
             while True:
                 free = self._free.get(nbytes)
@@ -118,9 +120,8 @@ def pool(*, pinned: bool, budget: int | None) -> HostBuffers:
 
 
 # One lock and condition for every staged item of the process, not an Event and a Lock each:
-# a save of 406 arrays made about 3,000 such objects, alive for the whole save, so each save
-# promoted them to the garbage collector's oldest generation. That made a full collection (which
-# walks torch's 190,000 objects, 85-110 ms) every 3 saves, on whichever thread allocated next.
+# thousands of such objects alive for a whole save are promoted to the garbage collector's
+# oldest generation, which brings on full collections that walk all of torch's objects.
 # Items are marked ready by one staging thread, a batch at a time, and waited for by a few
 # writer threads, so one condition costs nothing in contention.
 _ITEMS = threading.Condition(threading.Lock())

@@ -1,0 +1,89 @@
+"""``layoutckpt export --to safetensors``: Hugging Face files, by ``export_safetensors``, with a
+progress bar that watches the files grow."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ._common import NotFound, name_regex, open_checkpoint
+from ._text import human, progress
+
+SIZE_UNITS = {
+    "": 1,
+    **{p: 1000 ** (i + 1) for i, p in enumerate("kmgt")},
+    **{p + "i": 1024 ** (i + 1) for i, p in enumerate("kmgt")},
+}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MiB or 1000000")
+    return int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "").lower()])
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .._safetensors import export_safetensors
+
+    # A missing checkpoint: one clear line before anything is made.
+    with open_checkpoint(args.path) as rd:
+        regex = name_regex(args.select) if args.select else None
+        total = sum(rd.info(n).nbytes for n in rd.keys() if regex is None or regex.search(n))
+    with progress(args, total, "export") as bar, watch_folder(args.out, args.prefix, bar):
+        try:
+            written = export_safetensors(
+                args.path, args.out, select=args.select, max_shard_bytes=args.max_shard_bytes, prefix=args.prefix
+            )
+        except KeyError as err:
+            raise NotFound(str(err.args[0])) from None
+    for path in written:
+        print(f"{path}  {human(os.path.getsize(path))}")
+    return 0
+
+
+@contextlib.contextmanager
+def watch_folder(folder: str, prefix: str, bar: Any, every: float = 0.2) -> Iterator[None]:
+    """Move ``bar`` to the bytes of the files named ``prefix``* that appear in ``folder``.
+
+    ``export_safetensors`` takes no progress callback; the files it writes (under temporary
+    names, then renamed) grow as it goes, so their sizes say how far it is.
+    """
+    if bar.disable:
+        yield
+        return
+
+    def files() -> dict[tuple[str, int], int]:
+        try:
+            entries = list(os.scandir(folder))
+        except FileNotFoundError:
+            return {}
+        found = {}
+        for e in entries:
+            if e.name.lstrip(".").startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    stat = e.stat()
+                    found[(e.name, stat.st_ino)] = stat.st_size
+        return found
+
+    before = set(files())
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(every):
+            done = sum(size for key, size in files().items() if key not in before)
+            bar.update(max(0, min(done, bar.total) - bar.n))
+
+    thread = threading.Thread(target=watch, name="layoutckpt-export-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+        bar.update(bar.total - bar.n)
+    finally:
+        stop.set()
+        thread.join()

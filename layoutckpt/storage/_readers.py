@@ -1,0 +1,163 @@
+"""The two ways a box of a stored array comes back, behind one interface (``BoxReader``).
+
+A local checkpoint's shard files are read by layoutckpt itself (``_shardread.read_box``): only
+the index and the inner chunks a box touches, each checked and copied straight into the
+destination, one copy fewer than TensorStore's path. Every other store (object stores,
+``memory://``) is read through TensorStore, which copies each decoded chunk into the destination.
+A location says which reader it needs (``Location.box_reader``); the read engine
+(``engine._read``) schedules both alike, asking only whether a reader's reads block.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorstore as ts
+
+from ..base._options import IOConfig
+from ..format._dtypes import numpy_dtype
+from ..layout._plan import Box, box_size, row_pieces, shard_pieces
+from . import _os, _shardread, _store
+
+if TYPE_CHECKING:
+    from ..format._format import ArrayMeta
+
+
+class Pending(abc.ABC):
+    """A read under way; ``result()`` waits for it and raises its failure."""
+
+    @abc.abstractmethod
+    def result(self) -> Any: ...
+
+    def cancel(self) -> None:  # noqa: B027 - most reads cannot be stopped: doing nothing is right
+        """Stop the read if it has not started; a started one runs to its end."""
+
+
+class BoxReader(abc.ABC):
+    """Reads boxes of one checkpoint's arrays into destination arrays.
+
+    ``where`` names the checkpoint in errors; ``complete`` says that every chunk was stored, so
+    a missing one is damage rather than a block of fill values (checkpoints of format 2 on).
+    """
+
+    def __init__(self, where: str, complete: bool, io: IOConfig) -> None:
+        self.where = where
+        self.complete = complete
+        self.io = io
+
+    # Whether ``read`` blocks its thread until the bytes are in place: the engine then runs
+    # such reads on threads of its own; otherwise ``start`` returns at once.
+    blocking: bool = True
+
+    @abc.abstractmethod
+    def pieces(self, meta: ArrayMeta, box: Box, *, stream: bool) -> list[tuple[Box, bool]]:
+        """The reads that fill ``box`` (``(piece, prefetch)`` each), so that no inner chunk is
+        read twice. With ``stream``, a large box is read as one stream per file where the
+        reader can."""
+
+    @abc.abstractmethod
+    def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
+        """Fill ``out`` with ``box`` of array ``meta`` (stored as ``name``); return the bytes read
+        from storage. Damage raises ``IntegrityError`` naming the array."""
+
+    def start(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> Pending:
+        """``read`` put in flight; only for readers that do not block."""
+        raise NotImplementedError(f"{type(self).__name__} reads block; run read() on a thread")
+
+    def close(self) -> None:  # noqa: B027 - a reader of files keeps nothing open
+        """Drop what the reader keeps open; a later read opens it again."""
+
+
+class ShardFileReader(BoxReader):
+    """A local checkpoint, read from its shard files."""
+
+    blocking = True
+
+    def __init__(self, root: Path, where: str, complete: bool, io: IOConfig) -> None:
+        super().__init__(where, complete, io)
+        self.root = root
+
+    def pieces(self, meta: ArrayMeta, box: Box, *, stream: bool) -> list[tuple[Box, bool]]:
+        nbytes = box_size(box) * _itemsize(meta)
+        if not stream or nbytes < self.io.large_read_bytes:
+            return [(box, False)]
+        # One sequential read-ahead stream per shard file: a cold disk serves one stream per
+        # file faster than several threads reading parts of one file at once.
+        return [(piece, True) for piece in shard_pieces(box, meta.shard_shape)]
+
+    def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
+        try:
+            return _shardread.read_box(
+                self.root, meta, box, out, all_chunks_stored=self.complete, prefetch=prefetch, io=self.io
+            )
+        except _shardread.Damaged as err:
+            raise _store.damaged(name, self.where, missing=err.missing, detail=str(err)) from None
+
+
+class TensorStoreReader(BoxReader):
+    """Any TensorStore key-value store: object stores, ``memory://``."""
+
+    blocking = False
+
+    def __init__(self, location: Any, where: str, complete: bool, io: IOConfig) -> None:
+        super().__init__(where, complete, io)
+        self.location = location
+        self._ctx = _store.context(io.concurrency, io.retries)
+        self._stores: dict[str, ts.TensorStore] = {}
+        self._settled = 0
+
+    def pieces(self, meta: ArrayMeta, box: Box, *, stream: bool) -> list[tuple[Box, bool]]:
+        # TensorStore reads a request that covers a whole shard as one value, its bytes held
+        # next to the decoded result: pieces of whole inner-chunk rows bound that.
+        rows = meta.inner_chunk_shape[0] if meta.inner_chunk_shape else 1
+        return [(piece, False) for piece in row_pieces(box, rows, _itemsize(meta), self.io.piece_bytes)]
+
+    def store(self, meta: ArrayMeta) -> ts.TensorStore:
+        """The array, opened from its metadata alone (no read of its ``zarr.json``)."""
+        store = self._stores.get(meta.path)
+        if store is None:
+            opened = _store.open_array(self._ctx, self.location, meta, all_chunks_stored=self.complete)
+            store = self._stores[meta.path] = opened.result()
+        return store
+
+    def start(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> Pending:
+        source = self.store(meta)
+        if box:
+            source = source[tuple(slice(a, b) for a, b in box)]
+        target = ts.array(out, copy=False, write=True)
+        return _TensorStoreRead(target.write(source), name, self, out.nbytes)
+
+    def settled(self, nbytes: int) -> None:
+        """Count a finished read. TensorStore decodes into buffers of its own, which the C
+        allocator keeps in per-thread arenas once freed: handed back every ``trim_bytes``, a
+        load peaks at its bytes rather than above them."""
+        self._settled += nbytes
+        if self._settled >= self.io.trim_bytes:
+            self._settled = 0
+            _os.release_free_memory()
+
+    def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
+        return self.start(name, meta, box, out).result()
+
+    def close(self) -> None:
+        self._stores.clear()
+
+
+class _TensorStoreRead(Pending):
+    def __init__(self, future: Any, name: str, reader: TensorStoreReader, nbytes: int) -> None:
+        self.future, self.name, self.reader, self.nbytes = future, name, reader, nbytes
+
+    def result(self) -> int:
+        _store.read_result(self.future, self.name, self.reader.where)
+        self.reader.settled(self.nbytes)
+        return self.nbytes
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+
+def _itemsize(meta: ArrayMeta) -> int:
+    return numpy_dtype(meta.dtype).itemsize

@@ -1,0 +1,162 @@
+"""The two ways a box of an array is written, behind one interface (``BoxWriter``).
+
+A location says which writer it needs (``Location.box_writer``). A local directory's writer
+writes each box that is one whole shard as one shard file itself (``_shardfile``), on
+``io.threads`` threads: a chunk goes from the source's memory to the file, where TensorStore
+would copy it into a fresh buffer first, a large shard goes past the page cache
+(``io.direct_io``), and every other file's writeback starts as it is closed. Any other box, and
+every box on other stores (object stores, ``memory://``), is written by TensorStore, all writes in
+flight together. Both write the same bytes (``docs/format.md`` section 5.4).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ..base import _faults
+from ..base._metrics import InFlight
+from ..base._options import IOConfig
+from ..base._workers import Workers
+from ..format._dtypes import numpy_dtype
+from ..layout._plan import Box, box_shape, shard_cell
+from . import _shardfile, _store
+
+if TYPE_CHECKING:
+    from ..format._format import ArrayMeta
+
+
+class Source(Protocol):
+    """What a box is written from. ``wait()`` gives the box's elements as an array, or a
+    function ``read(box)`` that gives those of any box of the array; ``release()`` says the
+    writer is done with them (a staging buffer goes back to its pool at once: the next shard's
+    staging may be waiting for exactly this one)."""
+
+    def wait(self) -> np.ndarray | Callable[[Box], np.ndarray]: ...
+
+    def release(self) -> None: ...
+
+
+class BoxWriter(abc.ABC):
+    """Writes boxes of one checkpoint's arrays; ``in_flight`` counts the writes under way."""
+
+    def __init__(self, io: IOConfig, in_flight: InFlight | None = None) -> None:
+        self.io = io
+        self.in_flight = in_flight if in_flight is not None else InFlight()
+
+    @abc.abstractmethod
+    def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
+        """Start writing ``box`` of the array ``meta`` from ``source``, released once written.
+        May wait for ``source``; a failure here or in a write under way is raised by ``join``."""
+
+    @abc.abstractmethod
+    def join(self) -> int:
+        """Wait for every write; the bytes of the boxes written. Raises the first failure."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Drop the writes not started and wait for those under way; always called last, after
+        ``join`` or after a failure (a source still waited for must fail first)."""
+
+    def __enter__(self) -> BoxWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _nbytes(meta: ArrayMeta, box: Box) -> int:
+    return numpy_dtype(meta.dtype).itemsize * math.prod(box_shape(box))
+
+
+class TensorStoreWriter(BoxWriter):
+    """Through TensorStore, onto any key-value store: every write in flight at once, bounded by
+    ``io.concurrency`` requests."""
+
+    def __init__(self, location: Any, io: IOConfig, in_flight: InFlight | None = None) -> None:
+        super().__init__(io, in_flight)
+        self.location = location
+        self._ctx = _store.context(io.concurrency, io.retries)
+        self._opened: dict[str, Any] = {}
+        self._pending: list[tuple[Any, str]] = []  # (write, array path)
+        self._bytes = 0
+
+    def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
+        if meta.path not in self._opened:
+            self._opened[meta.path] = _store.open_array(self._ctx, self.location, meta)
+        store = self._opened[meta.path].result()
+        data = source.wait()
+        if callable(data):
+            data = data(box)  # TensorStore stores a shard as one value: the box is read whole
+        target = store[tuple(slice(a, b) for a, b in box)] if box else store
+        self.in_flight.start(data.nbytes)
+        w = target.write(data, can_reference_source_data_indefinitely=True)
+
+        def settled(_: Any, nbytes: int = data.nbytes) -> None:
+            self.in_flight.done(nbytes)
+            source.release()
+
+        w.commit.add_done_callback(settled)
+        self._pending.append((w, meta.path))
+        self._bytes += data.nbytes
+
+    def join(self) -> int:
+        for w, name in self._pending:
+            w.result()
+            _faults.point("save.box_written", name=name)
+        return self._bytes
+
+    def close(self) -> None:
+        for w, _ in self._pending:
+            try:
+                w.result()
+            except Exception:  # noqa: BLE001 - join raises the first failure
+                pass
+        self._pending = []
+        self._opened.clear()
+
+
+class ShardFileWriter(BoxWriter):
+    """A local directory: a box that is one whole shard becomes its shard file
+    (``_shardfile``), written on one of ``io.threads`` threads; other boxes go to TensorStore."""
+
+    def __init__(self, root: Path, location: Any, io: IOConfig, in_flight: InFlight | None = None) -> None:
+        super().__init__(io, in_flight)
+        self._files = _shardfile.ShardFiles(root, io)
+        self._threads = Workers("layoutckpt-write", io.threads)
+        self._others = TensorStoreWriter(location, io, self.in_flight)
+
+    def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
+        cell = shard_cell(box, meta.shape, meta.shard_shape)
+        if cell is None:
+            self._others.write(meta, box, source)
+        else:
+            self._threads.submit(self._write_shard, meta, box, cell, source)
+
+    def _write_shard(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
+        try:
+            data = source.wait()
+            held = isinstance(data, np.ndarray)
+            nbytes = data.nbytes if held else _nbytes(meta, box)
+            dtype = data.dtype if held else numpy_dtype(meta.dtype)
+            self.in_flight.start(nbytes)
+            self._files.write(meta, cell, dtype, data, start_writeback=True)
+            self.in_flight.done(nbytes)
+            _faults.point("save.box_written", name=meta.path)
+            return nbytes
+        finally:
+            source.release()
+
+    def join(self) -> int:
+        return self._others.join() + self._threads.join()
+
+    def close(self) -> None:
+        self._others.close()
+        # Unstarted shards are dropped; a thread may still be writing from a staged buffer.
+        self._threads.close()
+        self._files.close()

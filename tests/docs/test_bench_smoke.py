@@ -1,0 +1,114 @@
+"""``benchmarks/bench.py --quick`` runs end to end and reports every operation of every system.
+
+The benchmark's numbers are not checked (they are the lead's to read); its shape is: one row per
+operation, system and cache state, for each world size, with positive times, and the targets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.paths import BENCHMARKS, REPO
+
+BENCH = BENCHMARKS / "bench.py"
+
+WRITE_ROWS = {
+    "save": [
+        "raw write+fsync",
+        "raw write+fsync, 8 streams",
+        "layoutckpt save",
+        "torch.save+fsync",
+        "DCP save",
+        "safetensors save_file+fsync (rank 0)",
+    ],
+    "save_async blocked": ["memcpy (staging bound)", "layoutckpt save_async", "DCP async_save"],
+    "save_async commit": ["raw write+fsync", "layoutckpt save_async", "DCP async_save"],
+}
+PARTIAL = ["raw read", "layoutckpt open().read", "torch.load whole ckpt", "torch.load(mmap=True)"]
+READ_ROWS = {
+    "load": ["raw read", "layoutckpt load", "torch.load", "DCP load", "safetensors load_file (rank 0)"],
+    "load resharded": ["raw read", "layoutckpt load", "DCP load"],
+    "read 1 tensor (rank 0)": PARTIAL,
+    "read 8 rows (rank 0)": PARTIAL,
+}
+
+
+def _dcp_available() -> bool:
+    try:
+        import torch.distributed.checkpoint  # noqa: F401
+        from torch.distributed.tensor import DTensor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _expected() -> set[tuple[str, str, str | None]]:
+    rows = {(op, s, None) for op, systems in WRITE_ROWS.items() for s in systems}
+    rows |= {(op, s, c) for op, systems in READ_ROWS.items() for s in systems for c in ("cold", "warm")}
+    if not _dcp_available():
+        rows = {r for r in rows if not r[1].startswith("DCP")}
+    return rows
+
+
+def test_quick_run_reports_every_row(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, str(BENCH), "--quick", "--ranks", "1,2", "--repeats", "1"]
+    proc = subprocess.run(
+        [*cmd, "--json", str(out), "--dir", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "targets for 2 rank(s)" in proc.stdout
+    results = json.loads(out.read_text())
+    assert sorted(results["worlds"]) == ["1", "2"]
+    assert results["eviction_check"]["works"] in (True, False)
+    for world, res in results["worlds"].items():
+        got = {(r["op"], r["system"], r["cache"]) for r in res["rows"]}
+        missing = _expected() - got
+        assert not missing, f"{world} rank(s): no rows for {sorted(missing)}"
+        for r in res["rows"]:
+            assert r["median"] > 0 and r["min"] > 0, (world, r["op"], r["system"], r["cache"])
+            assert r["gbps"] > 0 and r["peak_rss"] > 0
+            if r["cache"]:
+                assert r["bytes_needed"] > 0
+        # every same-layout load gave the state back, and both reshards agree
+        assert res["digest_checks"] and all(res["digest_checks"].values()), res["digest_checks"]
+        # one timed repeat per write; the default warm-up round before it is not kept
+        assert results["options"]["warmup"] == 1
+        assert all(len(rank["results"]["lc_save"]) == 1 for rank in res["per_rank"])
+        names = [t["name"] for t in res["targets"]]
+        assert len(names) == 9 and all(t["verdict"] in ("PASS", "MISS") for t in res["targets"]), res["targets"]
+        # the parallel raw write keeps 8 files in flight over all ranks; the save targets' context
+        assert res["files_written"]["raw_streams"] == 8
+        context = res["save_context"]
+        dcp = {"DCP save", "1.5x DCP save"} if _dcp_available() else set()
+        assert set(context) == {"parallel raw write", "layoutckpt save"} | dcp
+        if dcp:
+            assert context["1.5x DCP save"] == pytest.approx(1.5 * context["DCP save"])
+
+
+@pytest.mark.parametrize("only", ["partial,lc", "nosuch"])
+def test_only_selects_or_refuses(only, tmp_path):
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    if only == "nosuch":
+        with pytest.raises(SystemExit):
+            bench.select(only)
+        return
+    chosen = bench.select(only)
+    # lc's partial reads, the raw limits beside them, and the writes they read
+    assert set(chosen) == {"lc_read_tensor", "lc_read_rows", "raw_read_tensor", "raw_read_rows", "lc_save", "raw_write"}

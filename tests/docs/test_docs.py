@@ -1,0 +1,232 @@
+"""Docs that run: every code block in ``docs/`` executes, and the site builds with ``--strict``.
+
+Each page runs as a reader would follow it: its ```` ```python ```` and ```` ```bash ```` blocks in
+document order, in one fresh temporary directory (the working directory), the python blocks
+sharing one namespace, the bash blocks run by ``bash -e`` with this interpreter's ``bin`` first
+on ``PATH`` (so ``python`` and the ``layoutckpt`` command are the installed ones). A page may rely
+only on what its own earlier blocks made. ```` ```json ```` blocks must parse; any other fence
+(``text``, ``toml``, ``console``) is illustration and does not run.
+
+A page whose text mentions ``s3://`` runs with a real S3 server on loopback (moto) holding the
+bucket ``my-bucket``, configured through the ``AWS_*`` variables a user would set.
+
+There is one test per block, named after its page and position (``howto/resume.md-3-python``).
+Running a block runs the page's earlier blocks first if they have not run yet, so any block can
+be selected on its own with ``-k``; when an earlier block failed, the later ones fail saying so.
+"""
+
+from __future__ import annotations
+
+import gc
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+import layoutckpt
+from tests.support.paths import REPO as ROOT
+from tests.support.s3server import S3Server
+
+DOCS = ROOT / "docs"
+RUNNABLE = ("python", "bash")
+# A fence opens at any indentation (inside a list item, say) and closes at the same one.
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+BASH_TIMEOUT = 180
+
+
+@attrs.frozen
+class Block:
+    page: str  # relative to docs/, with forward slashes
+    index: int  # position among the page's runnable blocks
+    lang: str
+    line: int  # 1-based line of the block's first line of code
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}-{self.index}-{self.lang}"
+
+
+def pages() -> list[Path]:
+    return sorted(DOCS.glob("**/*.md"))
+
+
+def blocks(page: Path, langs: tuple[str, ...]) -> list[Block]:
+    return blocks_in(page.read_text(), page.relative_to(DOCS).as_posix(), langs)
+
+
+def blocks_in(text: str, page: str, langs: tuple[str, ...]) -> list[Block]:
+    found = []
+    for match in FENCE.finditer(text):
+        if match.group("lang") not in langs:
+            continue
+        line = text.count("\n", 0, match.start("body")) + 1
+        code = textwrap.dedent(match.group("body"))
+        found.append(Block(page, len(found), match.group("lang"), line, code))
+    return found
+
+
+RUN_BLOCKS = [b for page in pages() for b in blocks(page, RUNNABLE)]
+JSON_BLOCKS = [b for page in pages() for b in blocks(page, ("json",))]
+LAST_INDEX = {b.page: b.index for b in RUN_BLOCKS}
+
+
+@attrs.define
+class PageRun:
+    """One page's progress: its directory, its python namespace, the blocks run so far, and what
+    the page was given for its run (an S3 server, and the environment to restore after it)."""
+
+    directory: Path
+    namespace: dict[str, Any] = attrs.field(factory=lambda: {"__name__": "__docs__"}, repr=False)
+    done: int = 0
+    failed: str | None = None
+    server: S3Server | None = None
+    saved_env: dict[str, str | None] = attrs.field(factory=dict)
+    closed: bool = False
+
+    @classmethod
+    def start(cls, page: str, directory: Path) -> PageRun:
+        run = cls(directory)
+        if "s3://" in (DOCS / page).read_text():
+            # Pages about object storage use s3://my-bucket: a real S3 server on loopback (moto),
+            # configured through the variables a user would set, for this page only.
+            run.server = S3Server()
+            run.server.create_bucket("my-bucket")
+            run.saved_env = {k: os.environ.get(k) for k in run.server.env}
+            run.server.apply()
+        return run
+
+    def close(self) -> None:
+        """Undo what the page may leave in this process that would change the next page."""
+        if self.closed:
+            return
+        self.closed = True
+        # Collect the page's objects now: an error in a finalizer is then reported by this
+        # page's last block, not by whichever later test the garbage collector happens to run in.
+        self.namespace.clear()
+        gc.collect()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        if self.server is not None:
+            self.server.stop()
+            for key, value in self.saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def page_runs() -> Iterator[dict[str, PageRun]]:
+    runs: dict[str, PageRun] = {}
+    yield runs
+    for run in runs.values():
+        run.close()
+
+
+def _run_python(block: Block, run: PageRun) -> None:
+    # Pad with newlines so that tracebacks point at the line of the page.
+    source = "\n" * (block.line - 1) + block.code
+    exec(compile(source, str(DOCS / block.page), "exec"), run.namespace)
+
+
+def _run_bash(block: Block, run: PageRun) -> None:
+    bin_dir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        ["bash", "-e", "-c", block.code],
+        cwd=run.directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BASH_TIMEOUT,
+        check=False,
+    )
+    print(proc.stdout, end="")
+    if proc.returncode != 0:
+        pytest.fail(
+            f"docs/{block.page}, bash block at line {block.line} exited {proc.returncode}:\n"
+            f"--- stdout\n{proc.stdout}--- stderr\n{proc.stderr}",
+            pytrace=False,
+        )
+
+
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
+def test_block_runs(block: Block, page_runs: dict[str, PageRun], tmp_path_factory, monkeypatch):
+    run = page_runs.get(block.page)
+    if run is None:
+        for other in page_runs.values():
+            other.close()  # a page that failed before its last block left its resources
+        directory = tmp_path_factory.mktemp(re.sub(r"\W", "_", block.page))
+        run = page_runs[block.page] = PageRun.start(block.page, directory)
+    if run.failed is not None:
+        pytest.fail(f"not run: an earlier block of docs/{block.page} failed ({run.failed})", pytrace=False)
+    monkeypatch.chdir(run.directory)
+    # Run what the page has not run yet, up to this block (all of it when selected alone with -k).
+    for earlier in [b for b in RUN_BLOCKS if b.page == block.page][run.done : block.index + 1]:
+        try:
+            (_run_python if earlier.lang == "python" else _run_bash)(earlier, run)
+        except BaseException:
+            run.failed = f"block {earlier.index} at line {earlier.line}"
+            raise
+        run.done = earlier.index + 1
+    if block.index == LAST_INDEX[block.page]:
+        run.close()
+
+
+@pytest.mark.parametrize("block", JSON_BLOCKS, ids=[b.id for b in JSON_BLOCKS])
+def test_json_block_parses(block: Block):
+    json.loads(block.code)
+
+
+def test_blocks_are_found():
+    """The fence parser sees the pages' blocks (a parser that saw none would pass every page)."""
+    assert len(RUN_BLOCKS) >= 10
+    assert {"index.md", "concepts.md", "howto/resume.md", "howto/partial-reads.md"} <= {b.page for b in RUN_BLOCKS}
+    assert any(b.lang == "bash" for b in RUN_BLOCKS)
+    nested = blocks_in("- item\n\n    ```python\n    x = 1\n    ```\n\n```text\ny\n```\n", "t.md", RUNNABLE)
+    assert [(b.lang, b.code, b.line) for b in nested] == [("python", "x = 1\n", 4)]
+
+
+def _public_api() -> list[str]:
+    """Every public class and function of ``layoutckpt`` (the two constants are described in prose)."""
+    return sorted(n for n in dir(layoutckpt) if not n.startswith("_") and callable(getattr(layoutckpt, n)))
+
+
+def test_mkdocs_builds_strict_with_the_api_reference(tmp_path):
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}{proc.stderr}"
+    api = html.unescape((site / "api" / "index.html").read_text())
+    # Every public name has an entry, rendered from its docstring.
+    expected = [f"layoutckpt.{n}" for n in _public_api()] + ["layoutckpt.jax.load", "layoutckpt.jax.load_array"]
+    missing = [n for n in expected if f'id="{n}"' not in api]
+    assert not missing, f"docs/api.md lacks entries for {missing}"
+    assert "Save this rank's shards of state under layout" in re.sub(r"<[^>]+>", "", api)
+    assert "Open a committed checkpoint for lazy reading in a single process." in api
+    # Doctests in docstrings render as code, with the regex's backslashes intact.
+    assert '>>> layout = Layout(Mesh({"tp": 2}), [(r"\\.q_proj\\.weight$"' in api
+    # Every page is built (none silently left out of the site).
+    built = {p.relative_to(DOCS).with_suffix("").as_posix() for p in pages()}
+    for name in built:
+        page = name.removesuffix("index")  # an index.md is its folder's page
+        target = site / (f"{page}index.html" if page != name else f"{name}/index.html")
+        assert target.is_file(), f"docs/{name}.md was not built"

@@ -1,0 +1,137 @@
+"""The conformance suite of the storage interface: every ``Location`` backend passes it.
+
+A backend's test module subclasses ``LocationTests`` and gives ``new_url()``, a URL of a fresh,
+empty place for a checkpoint. The suite checks the contract the rest of layoutckpt relies on:
+documents read back as written, nothing is a checkpoint before its commit, a commit makes the
+staging area the checkpoint at once, a committed checkpoint is not overwritten by accident,
+discard deletes, retire deletes a committed checkpoint, the box writer stores what plain
+TensorStore reads back, and the box reader reads exactly the stored elements and names damage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import layoutckpt as lc
+from layoutckpt.base._options import DEFAULT_IO
+from layoutckpt.engine._read import BoxRead, read_into
+from layoutckpt.storage._commit import new_token
+from layoutckpt.storage._location import Location, locate
+
+
+class LocationTests:
+    def new_url(self) -> str:
+        raise NotImplementedError
+
+    def location(self) -> Location:
+        loc = locate(self.new_url())
+        assert isinstance(loc, Location)
+        return loc
+
+    def test_a_missing_document_reads_as_none_and_a_written_one_as_written(self):
+        loc = self.location()
+        assert loc.read("nothing/here.json") is None
+        loc.write("a/b.json", b'{"x": 1}')
+        loc.write_many([("c.json", b"1"), ("d/e.json", b"22")])
+        assert loc.read("a/b.json") == b'{"x": 1}'
+        assert (loc.read("c.json"), loc.read("d/e.json")) == (b"1", b"22")
+        assert loc.exists()
+
+    def test_nothing_is_a_checkpoint_before_its_commit_and_all_of_it_after(self):
+        final = self.location()
+        assert not final.exists() and not final.committed()
+        final.check_destination(overwrite=False)
+        final.prepare()
+        staging = final.staging(new_token())
+        staging.write("arr/zarr.json", b"{}")
+        staging.make_durable()
+        assert not final.committed()
+        with pytest.raises(lc.CheckpointNotFoundError):
+            lc.open(final.url)
+        final.commit(staging, b'{"marker": true}', overwrite=False)
+        assert final.committed()
+        assert final.read("arr/zarr.json") == b"{}"
+        assert final.read("zarr.json") == b'{"marker": true}'
+
+    def test_a_committed_checkpoint_is_never_replaced_by_accident(self):
+        url = self.new_url()
+        lc.save(url, {"x": np.arange(3)})
+        with pytest.raises(lc.CheckpointExistsError):
+            locate(url).check_destination(overwrite=False)
+        with pytest.raises(lc.CheckpointExistsError):
+            lc.save(url, {"x": np.arange(4)})
+        assert lc.load(url)["x"].tolist() == [0, 1, 2]
+
+    def test_discard_deletes_everything_stored_there(self):
+        loc = self.location()
+        loc.write("a.json", b"1")
+        loc.write("b/c.json", b"2")
+        loc.discard()
+        assert loc.read("a.json") is None and loc.read("b/c.json") is None and not loc.exists()
+
+    def test_the_box_reader_reads_exactly_the_stored_elements(self):
+        url = self.new_url()
+        full = np.arange(40 * 24, dtype=np.float32).reshape(40, 24)
+        lc.save(url, {"w": full}, inner_chunk_bytes=8 * 24 * 4)
+        rd = lc.open(url)
+        meta = rd.meta.arrays["w"]
+        reader = locate(url).box_reader(url, rd.meta.all_chunks_stored, DEFAULT_IO)
+        boxes = [((0, 40), (0, 24)), ((3, 17), (5, 9)), ((39, 40), (0, 24)), ((7, 7), (0, 24))]
+        got = read_into(reader, [BoxRead("w", meta, box) for box in boxes])
+        for box, data in zip(boxes, got):
+            assert np.array_equal(data, full[tuple(slice(a, b) for a, b in box)])
+
+    def test_the_box_reader_names_the_damaged_array(self):
+        url = self.new_url()
+        lc.save(url, {"w": np.arange(64, dtype=np.int64)})
+        loc = locate(url)
+        rd = lc.open(url)
+        meta = rd.meta.arrays["w"]
+        key = f"{meta.path}/{meta.chunk_key((0,))}"
+        shard = bytearray(loc.read(key))
+        shard[3] ^= 0xFF  # inside the first inner chunk
+        loc.write(key, bytes(shard))
+        reader = loc.box_reader(url, rd.meta.all_chunks_stored, DEFAULT_IO)
+        with pytest.raises(lc.IntegrityError, match=r"array 'w' of checkpoint .* is damaged"):
+            read_into(reader, [BoxRead("w", meta, ((0, 64),))])
+
+    def test_retire_deletes_a_committed_checkpoint(self):
+        url = self.new_url()
+        lc.save(url, {"x": np.arange(3)})
+        loc = locate(url)
+        loc.retire()
+        assert not loc.committed() and not loc.exists()
+        with pytest.raises(lc.CheckpointNotFoundError):
+            lc.open(url)
+
+    def test_the_box_writer_stores_whole_shards_and_parts_of_shards(self):
+        """A box that is a whole shard, and the same shard as two parts (TensorStore's path on
+        every store), are stored byte for byte as ``save`` stores them."""
+        url = self.new_url()
+        full = np.arange(40 * 24, dtype=np.float32).reshape(40, 24)
+        lc.save(url, {"w": full}, inner_chunk_bytes=8 * 24 * 4)
+        final = locate(url)
+        meta = lc.open(url).meta.arrays["w"]
+        key = f"{meta.path}/{meta.chunk_key((0, 0))}"
+        for boxes in ([((0, 40), (0, 24))], [((0, 13), (0, 24)), ((13, 40), (0, 24))]):
+            staging = final.staging(new_token())
+            sources = [_Held(full[tuple(slice(a, b) for a, b in box)]) for box in boxes]
+            with staging.box_writer(DEFAULT_IO) as writer:
+                for box, source in zip(boxes, sources):
+                    writer.write(meta, box, source)
+                assert writer.join() == full.nbytes
+            assert staging.read(key) == final.read(key)
+
+
+class _Held:
+    """A box's elements at hand, as a writer's source."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def wait(self) -> np.ndarray:
+        return self.data
+
+    def release(self) -> None:
+        """Nothing to give back."""

@@ -1,0 +1,134 @@
+"""Reading boxes from shard files (``_shardread.read_box``): plain and read-ahead reads give the
+same elements and bytes, the read-ahead stops at damage, and the page-cache check."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import layoutckpt as lc
+from layoutckpt.format._shard import grid_cells
+from layoutckpt.storage import _os, _shardfile, _shardread
+
+from .test_shardfile import CASES, _array, _meta
+
+# Runs of one inner chunk of the cases below (4 x 48 float32): 16 runs per shard.
+RUNS_OF_ONE_CHUNK = lc.IOConfig(read_run_bytes=4 * 48 * 4)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["cold", "cached"])
+@pytest.mark.parametrize(("shape", "shard", "inner", "dtype"), CASES)
+@pytest.mark.parametrize(
+    "box_of", [lambda s: tuple((0, n) for n in s), lambda s: tuple((n // 3, n - n // 4) for n in s)]
+)
+def test_prefetched_reads_give_the_same_array_and_bytes(
+    tmp_path, monkeypatch, shape, shard, inner, dtype, box_of, cached
+):
+    """``read_box(prefetch=True)`` reads each shard's runs on a thread of its own, ahead of the
+    checks, or on the caller's where the page cache holds the file: the same elements and the
+    same bytes read as the plain path either way, every shard file read front to back."""
+    # Cached: the first run read at once, as a file system that tells (ext4, xfs) gives it.
+    read_now = os.preadv
+    monkeypatch.setattr(_os, "read_if_cached", lambda fd, view, at: cached and read_now(fd, [view], at) == len(view))
+    meta = _meta(shape, shard, inner, dtype)
+    array = _array(shape, dtype)
+    for cell in grid_cells(shape, shard):
+        part = array[tuple(slice(c * s, (c + 1) * s) for c, s in zip(cell, shard))]
+        _shardfile.write_shard(tmp_path, meta, cell, array.dtype, part)
+    box = box_of(shape)
+    want = array[tuple(slice(a, b) for a, b in box)]
+    plain, ahead = np.empty_like(want), np.empty_like(want)
+    plain_bytes = _shardread.read_box(tmp_path, meta, box, plain)
+    ahead_bytes = _shardread.read_box(tmp_path, meta, box, ahead, prefetch=True)
+    assert ahead.tobytes() == plain.tobytes() == want.tobytes()
+    assert ahead_bytes == plain_bytes
+
+
+def test_prefetched_reads_run_ahead_on_their_own_thread_and_stop_at_damage(tmp_path, monkeypatch):
+    """The runs are read by the read-ahead thread; a chunk that fails its checksum raises
+    ``Damaged`` on the caller's thread, and the read-ahead thread is gone when it does."""
+    import threading
+
+    shape, shard, inner, dtype = (64, 48), (64, 48), (4, 48), "float32"  # 16 runs of one chunk
+    meta = _meta(shape, shard, inner, dtype)
+    array = _array(shape, dtype)
+    _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
+    monkeypatch.setattr(_os, "read_if_cached", lambda *a: False)  # as if the file were cold
+    readers = []
+    real = os.preadv
+    monkeypatch.setattr(
+        _shardread.os,
+        "preadv",
+        lambda fd, bufs, at: readers.append(threading.current_thread().name) or real(fd, bufs, at),
+    )
+    out = np.empty_like(array)
+    _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True, io=RUNS_OF_ONE_CHUNK)
+    assert out.tobytes() == array.tobytes()
+    assert len(readers) == 16 and set(readers) == {"layoutckpt-read-ahead"}
+
+    path = tmp_path / "a" / meta.chunk_key((0, 0))
+    data = bytearray(path.read_bytes())
+    data[5 * (4 * 48 * 4 + 4) + 10] ^= 0xFF  # inside the sixth chunk
+    path.write_bytes(bytes(data))
+    readers.clear()
+    with pytest.raises(_shardread.Damaged, match=r"inner chunk \{5, 0\} of shard c\.0\.0 fails its crc32c"):
+        _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True, io=RUNS_OF_ONE_CHUNK)
+    assert not any(t.name == "layoutckpt-read-ahead" for t in threading.enumerate())
+    assert 6 <= len(readers) <= 6 + RUNS_OF_ONE_CHUNK.prefetch_depth  # it stopped soon after
+
+
+def test_a_file_the_page_cache_holds_is_read_on_the_callers_thread(tmp_path, monkeypatch):
+    """Where the first run comes from the page cache without waiting, the shard is read on the
+    caller's thread, the first run not read twice; where it does not, on the read-ahead thread."""
+    import threading
+
+    shape, shard, inner, dtype = (64, 48), (64, 48), (4, 48), "float32"  # 16 runs of one chunk
+    meta = _meta(shape, shard, inner, dtype)
+    array = _array(shape, dtype)
+    _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
+    readers = []
+    real = os.preadv
+    monkeypatch.setattr(
+        _shardread.os,
+        "preadv",
+        lambda fd, bufs, at, *flags: readers.append((threading.current_thread().name, at)) or real(fd, bufs, at),
+    )
+    for cached in (True, False):
+        monkeypatch.setattr(
+            _os, "read_if_cached", lambda fd, view, at, cached=cached: cached and real(fd, [view], at) == len(view)
+        )
+        readers.clear()
+        out = np.empty_like(array)
+        _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True, io=RUNS_OF_ONE_CHUNK)
+        assert out.tobytes() == array.tobytes()
+        names = {name for name, _ in readers}
+        assert names == ({threading.current_thread().name} if cached else {"layoutckpt-read-ahead"})
+        assert len(readers) == (15 if cached else 16) and len({at for _, at in readers}) == len(readers)
+
+
+def test_read_cached_reads_only_what_the_page_cache_holds(tmp_path):
+    """``read_if_cached`` fills the buffer from a file in the page cache and refuses one that was
+    dropped from it; a file system that cannot tell (tmpfs) always refuses."""
+    import errno
+
+    data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages, which the eviction below can drop
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+            tells = True
+        except OSError as err:
+            assert err.errno == errno.EOPNOTSUPP
+            tells = False
+        view = np.zeros_like(data)
+        assert _os.read_if_cached(fd, view, 0) is tells
+        assert not tells or view.tobytes() == data.tobytes()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert _os.read_if_cached(fd, np.zeros_like(data), 0) is False
+    finally:
+        os.close(fd)
