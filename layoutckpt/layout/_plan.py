@@ -88,10 +88,9 @@ def chunk_target(outer: Sequence[int], itemsize: int, inner_chunk_bytes: int) ->
     """The inner chunk size for a shard of shape ``outer``: ``inner_chunk_bytes``, or less.
 
     A shard no bigger than one chunk would be one chunk, and a layout that reads half its
-    columns would read all of it: a 512 KiB shard split the other way over 4 ranks read 2.65x
-    the bytes needed. So a shard is cut into at least about ``CHUNKS_PER_SHARD`` chunks (a 4x4
-    grid of a matrix), unless chunks would fall below ``MIN_INNER_CHUNK_BYTES``, where per-chunk
-    costs start to show. Measured on 400 such shards: no slower to save or load.
+    columns would read all of it. So a shard is cut into at least about ``CHUNKS_PER_SHARD``
+    chunks (a 4x4 grid of a matrix), unless chunks would fall below ``MIN_INNER_CHUNK_BYTES``,
+    where per-chunk costs start to show.
     """
     shard_bytes = itemsize * math.prod(outer)
     return min(inner_chunk_bytes, max(MIN_INNER_CHUNK_BYTES, shard_bytes // CHUNKS_PER_SHARD))
@@ -108,7 +107,7 @@ def inner_chunk_shape(
     ``1 / splits`` of the shard's, while the block keeps ``min_bytes``: a layout that splits any
     dimension of the shard up to ``splits`` ways then reads whole blocks. Cubes alone do not give
     that: a 2 MiB block of an (8000, 1024) bf16 shard is (1000, 1024), whole rows, and a reader
-    of a quarter of the columns read it all (the resharding benchmark read 1.33x what it needed).
+    of a quarter of the columns would read all of it.
 
     Then the block is kept as close to a cube as the divisors allow: the longest side is cut
     first, by its smallest prime factor. Another layout may read rows or columns of this shard;

@@ -20,9 +20,9 @@ from ..base._errors import WorldSizeError
 from ..layout._spec import Mesh
 from ._torch import dist, distributed, torch
 
-# The longest a collective waits for gloo's worker to let go of its tensors. The worker drops a
-# finished work at once, or a few milliseconds later on busy cores; past this, a backend that
-# keeps its works longer is not waited for.
+# The longest a collective waits for gloo's worker to let go of its tensors: the worker drops a
+# finished work at once, or a few milliseconds later on busy cores, and a collective must not
+# hang on a torch whose gloo keeps its works longer.
 LET_GO_SECONDS = 2.0
 
 

@@ -59,6 +59,12 @@ def test_every_example_is_checked():
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_example_ranks_end_by_returning(script: Path):
+    """Users copy the examples: a rank ends with destroy_process_group and a return, not os._exit."""
+    assert "os._exit" not in script.read_text()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_example_runs(script: Path, tmp_path: Path):
     proc = _run(script, *(a.format(out=tmp_path / "out", tmp=tmp_path) for a in ARGS.get(script.name, [])))
     output = proc.stdout + proc.stderr

@@ -237,6 +237,10 @@ def _gather_all(value: Any) -> list[Any]:
 
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
+    # gloo's worker runs collectives in order and lets go of each before the next: once this
+    # barrier (whose tensors are torch's own) is done, no Python tensor of the gather is left for
+    # it to free while the rank shuts down.
+    dist.barrier()
     return values
 
 

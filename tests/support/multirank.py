@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -19,25 +18,20 @@ from typing import Any
 
 
 def leave_world() -> None:
-    """End a spawned rank whose results are out: destroy its process groups, flush its output
-    and exit at once, without the interpreter's shutdown.
+    """End a spawned rank whose results are out: destroy its process groups; the rank then ends
+    through the interpreter's shutdown, as any process does.
 
-    gloo's worker thread frees a finished collective's tensors a moment after ``wait()`` has
-    returned on the rank's thread, and freeing a tensor that Python made takes the GIL. Where the
-    rank has begun shutting down by then, the thread is stopped inside C++ and the process
-    aborts ("terminate called without an active exception"; the core dump's stack:
-    ``ProcessGroupGloo::runLoop``, ``~AsyncAllgatherWork``, ``TensorImpl::decref_pyobject``,
-    ``take_gil``, ``pthread_exit``). It happened in about one 4-rank world in 40 on two busy
-    cores, after every result had been written. ``destroy_process_group`` does not stop those
-    threads, so nothing short of skipping the shutdown avoids it.
+    That is safe after the library's collectives: each returns only once gloo's worker threads
+    hold none of its tensors (``layoutckpt/torch/_dist.py`` says why that matters). A rank whose
+    very last step is a torch collective of its own (``all_gather_object``, a DTensor's
+    ``full_tensor``) on a group that outlives ``destroy_process_group`` (a ``DeviceMesh`` keeps
+    its groups) can still abort as it exits; such a rank ends on a library call, or hands its
+    result back without a collective.
     """
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 class RankFailure(AssertionError):
