@@ -3,9 +3,10 @@
 ``load``, ``open().read``, ``verify``, the CLI's ``read``, safetensors export and the JAX loader
 describe what they want as ``BoxRead`` requests (a box of a stored array and where it goes);
 the engine cuts each box into the pieces its storage reads best (``BoxReader.pieces``), keeps at
-most ``IOConfig.budget_bytes`` of pieces in flight, places every piece straight into the
-request's destination, and reports damage as ``IntegrityError`` naming the array. The same
-pieces are what ``_readplan`` counts, so ``layoutckpt plan`` shows what a load does.
+most ``IOConfig.budget_bytes`` of TensorStore's pieces in flight (reads on threads: twice the
+threads), places every piece straight into the request's destination, and reports damage as
+``IntegrityError`` naming the array. The same pieces are what ``_readplan`` counts, so
+``layoutckpt plan`` shows what a load does.
 
 Readers whose reads block (a local checkpoint's shard files) run on ``IOConfig.threads`` threads
 (``read_streams`` for a streamed single read); TensorStore's reads are asynchronous and need none.
@@ -140,6 +141,7 @@ class _Scheduler:
         self, reader: BoxReader, io: IOConfig, threads: int, stats: ReadStats, on_damage: OnDamage | None
     ) -> None:
         self.reader, self.io, self.stats, self.on_damage = reader, io, stats, on_damage
+        self.nthreads = threads
         self.threads = ThreadPoolExecutor(threads, thread_name_prefix="layoutckpt-read") if threads else None
         self.pending: deque[tuple[BoxRead, np.ndarray, Any, int, bool]] = deque()
         self.in_flight = 0
@@ -153,13 +155,24 @@ class _Scheduler:
                     self.pending.append((r, out, _NOTHING, 0, True))
                 for i, (piece, prefetch) in enumerate(pieces):
                     nbytes = box_size(piece) * out.dtype.itemsize
-                    while self.pending and self.in_flight + nbytes > self.io.budget_bytes:
+                    while self.pending and self.full(nbytes):
                         yield from self.settle()
                     self.issue(r, out, piece, prefetch, nbytes, last=i == len(pieces) - 1)
             while self.pending:
                 yield from self.settle()
         finally:
             self.stop()
+
+    def full(self, nbytes: int) -> bool:
+        """Whether issuing ``nbytes`` more must wait for the oldest read.
+
+        Reads on threads fill their destinations in place, holding no buffer of their own, so
+        only the queue is bounded: twice the threads, so that none waits for the next piece.
+        TensorStore's reads decode into buffers of their own: their bytes are what is bounded.
+        """
+        if self.threads is not None:
+            return len(self.pending) >= 2 * self.nthreads
+        return self.in_flight + nbytes > self.io.budget_bytes
 
     def issue(self, r: BoxRead, out: np.ndarray, piece: Box, prefetch: bool, nbytes: int, *, last: bool) -> None:
         view = _view(out, r.box, piece)
