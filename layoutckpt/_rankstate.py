@@ -54,6 +54,7 @@ def encode(x: Any, where: str = "rank_state") -> Any:
     array = _as_array(x)
     if array is not None:
         data, kind = array
+        data = data.astype(data.dtype.newbyteorder("="), copy=False)  # stored little-endian
         if data.nbytes > MAX_DOCUMENT_BYTES:
             raise ValueError(
                 f"{where}: a {data.nbytes}-byte array is too large for a per-rank document; save it "
@@ -115,10 +116,15 @@ def document(value: Any, rank: int, world: int) -> bytes:
     return raw
 
 
-def parse(raw: bytes, where: str) -> Any:
+def parse(raw: bytes, where: str, rank: int | None = None) -> Any:
+    """The state in a per-rank document; with ``rank``, only if the document is that rank's (a
+    document moved to another rank's place is damage, not that rank's state)."""
     try:
-        return decode(json.loads(raw)["attributes"][ATTRS_KEY]["state"])
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        body = json.loads(raw)["attributes"][ATTRS_KEY]
+        if rank is not None and body["rank"] != rank:
+            raise ValueError(f"it holds the state of rank {body['rank']!r}, not of rank {rank}")
+        return decode(body["state"])
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise FormatError(f"{where}: the per-rank document is malformed ({err!r}); the checkpoint is corrupt") from None
 
 
@@ -141,7 +147,7 @@ def read_one(root: Location, rank: int) -> Any:
     raw = root.read(name)
     if raw is None:
         raise FormatError(f"checkpoint {root.url!r} lacks the per-rank state of rank {rank} ({name}); it is damaged")
-    return parse(raw, f"{root.url}/{name}")
+    return parse(raw, f"{root.url}/{name}", rank)
 
 
 def read_all(root: Location, world: int) -> list[Any]:

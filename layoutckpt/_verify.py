@@ -1,11 +1,15 @@
 """``verify``: read every stored byte of a checkpoint once and report every problem found.
 
-For each array: its own ``zarr.json`` agrees with the root document (plain zarr reads only that
-one); every shard file its grid needs is stored (in checkpoints marked ``all_chunks_stored``;
+The root document was checked when the checkpoint was opened (its checksum and the invariants
+of ``docs/format.md`` section 8). Every other document the format requires is checked here: the
+group document of every group on the way to an array (plain zarr walks them), and for each
+array its own ``zarr.json``, which must agree with the root document (plain zarr reads only
+that one). Then, for each array, every shard file its grid needs is stored (in checkpoints marked ``all_chunks_stored``;
 older ones could leave out all-zero shards, which read as zeros); and every shard, read through
 the read engine, passes the crc32c checks of its index and inner chunks (``DATA_LOSS``) with no inner
-chunk missing (``NOT_FOUND``). Then every per-rank document must parse. A damaged array does not
-stop the others from being checked.
+chunk missing (``NOT_FOUND``). Then every per-rank document must parse and be its rank's. A damaged
+array does not stop the others from being checked. Documents are read as regular files inside
+the checkpoint only, of bounded size (``Location.read``).
 
 Memory stays bounded whatever the sizes: shards are read by the read engine in pieces of whole
 inner-chunk rows (``_readplan.read_pieces``), at most ``IOConfig.budget_bytes`` of them in
@@ -14,7 +18,6 @@ flight, and each piece is dropped once checked.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -26,8 +29,11 @@ from ._reader import Reader
 from .base._errors import FormatError, IntegrityError
 from .engine import _readplan
 from .engine._read import BoxRead
+from .format._format import GROUP_DOCUMENT, parse_json
+from .format._hierarchy import RANK_STATE_DIR
 from .format._shard import grid_cells
 from .layout._plan import Box, box_shape, chunks_touched
+from .storage._os import NotRegularFile
 
 
 @attrs.frozen
@@ -87,32 +93,55 @@ def stored_shards(rd: Reader, name: str, v: Verification) -> set[str]:
     """Check the array's ``zarr.json`` and that the shard files its grid needs are stored; the
     keys of those that are (only they are read)."""
     a = rd.meta.arrays[name]
-    kv = rd.tensorstore(name).kvstore
-    raw = kv.read("zarr.json").result()
-    if raw.state != "value":
+    problem = _document_problem(rd, f"{a.path}/zarr.json", a.zarr_metadata())
+    if problem == "missing":
         v.problems.append(Finding(name, None, "its zarr.json is missing: plain zarr cannot open it (layoutckpt can)"))
-    else:
-        try:
-            agrees = json.loads(bytes(raw.value)) == a.zarr_metadata()
-        except ValueError:
-            agrees = False
-        if not agrees:
-            text = "its zarr.json disagrees with the checkpoint's root metadata: plain zarr would misread it"
-            v.problems.append(Finding(name, None, text))
-    present = {k.decode() for k in kv.list().result()}
-    expected = [a.chunk_key(cell) for cell in grid_cells(a.shape, a.shard_shape)]
-    for key in expected:
+    elif problem:
+        text = f"its zarr.json {problem}, disagreeing with the checkpoint's root metadata: plain zarr would misread it"
+        v.problems.append(Finding(name, None, text))
+    present = {k.decode() for k in rd.tensorstore(name).kvstore.list().result()}
+    expected: set[str] = set()  # the stored ones only: the grid may have many cells
+    for cell in grid_cells(a.shape, a.shard_shape):
+        key = a.chunk_key(cell)
         if key in present:
-            continue
-        if rd.meta.all_chunks_stored:
+            expected.add(key)
+        elif rd.meta.all_chunks_stored:
             v.problems.append(Finding(name, key, "the shard file is missing"))
         else:
             # Checkpoints older than ``all_chunks_stored`` left out all-zero shards.
             v.warnings.append(Finding(name, key, "absent: reads as zeros (allowed in this checkpoint)"))
-    unexpected = sorted(present - set(expected) - {"zarr.json"})
+    unexpected = sorted(present - expected - {"zarr.json"})
     if unexpected:
         v.warnings.append(Finding(name, None, f"files the format does not know: {unexpected[:5]}"))
     return present
+
+
+def _document_problem(rd: Reader, key: str, expected: object) -> str | None:
+    """How the document at ``key`` differs from ``expected`` (``"missing"`` if absent), or None."""
+    try:
+        raw = rd._root.read(key)  # the documents of the location the reader opened
+    except NotRegularFile as err:
+        return f"is not a regular file inside the checkpoint ({err.strerror})"
+    if raw is None:
+        return "missing"
+    try:
+        doc = parse_json(raw, key)
+    except FormatError:
+        return "is not valid JSON"
+    return None if doc == expected else "differs from what the format requires"
+
+
+def check_groups(rd: Reader, v: Verification) -> None:
+    """Every group document the format requires (section 3) is there and is exactly the empty
+    group: plain zarr walks the hierarchy through them."""
+    groups = {a.path.rsplit("/", i)[0] for a in rd.meta.arrays.values() for i in range(1, a.path.count("/") + 1)}
+    if rd.meta.rank_state_world is not None:
+        groups.add(RANK_STATE_DIR)
+    for group in sorted(groups):
+        problem = _document_problem(rd, f"{group}/zarr.json", GROUP_DOCUMENT)
+        if problem:
+            text = f"the group document {group}/zarr.json {problem}: plain zarr cannot walk to the arrays under it"
+            v.problems.append(Finding(None, None, text))
 
 
 def _reads(rd: Reader, name: str, present: set[str]) -> Iterator[BoxRead]:
@@ -126,10 +155,20 @@ def _reads(rd: Reader, name: str, present: set[str]) -> Iterator[BoxRead]:
                 yield BoxRead(name, a, piece, key=key)
 
 
+# Damage the shard reader names by more than a checksum (``_shardread``).
+_OTHER_DAMAGE = re.compile(
+    r"(is not a regular file inside the checkpoint|declares \S+ decoded bytes, not \d+|fails to decode"
+    r"|the index of shard \S+ is invalid: [^;()]*|lies outside its file|too short for its index)"
+)
+
+
 def _damage(err: IntegrityError) -> str:
     text = str(err)
+    other = _OTHER_DAMAGE.search(text)
     if "NOT_FOUND" in text or "is missing from storage" in text:
         reason = "an inner chunk is missing from the shard"
+    elif other:
+        reason = other.group(1)
     else:
         reason = "fails its checksum (crc32c of an inner chunk or of the shard index)"
     entry = re.search(r"(?:shard entry|inner chunk) (\{[\d, ]*\})", text)
@@ -168,6 +207,7 @@ def _count(rd: Reader, v: Verification, present: dict[str, set[str]]) -> int:
 def verify(rd: Reader, *, progress: Callable[[int, int], None] | None = None) -> Verification:
     """Check the checkpoint ``rd`` reads; ``progress(bytes_done, bytes_total)`` after each read."""
     v = Verification(rd.path)
+    check_groups(rd, v)
     present = _present_shards(rd, v)
     total = _count(rd, v, present)
     damaged: set[tuple[str, str]] = set()

@@ -8,7 +8,9 @@ and is written last: it is the commit marker.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,9 +20,23 @@ from ..base._errors import FormatError, InvalidNameError, NewerFormatError
 from ..layout._spec import Mesh, P
 from ._shard import COMPRESSIONS, compression_json
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ATTRS_KEY = "layoutckpt"
 KINDS = ("torch", "numpy", "numpy_scalar")
+# The root document's checksum member (format version 3 on): the SHA-256 of the rest of the
+# ``layoutckpt`` object in its canonical form (``canonical_json``).
+CHECKSUM_KEY = "sha256"
+
+# What a reader accepts before it reads any data (docs/format.md section 8): each bounds the
+# memory or work that a crafted root document could make a reader spend. Real checkpoints stay
+# far below them: a shard per rank of the largest meshes, inner chunks of a few MiB.
+MAX_ROOT_DOCUMENT_BYTES = 1 << 30
+MAX_ARRAY_BYTES = 1 << 50
+MAX_SHARDS_PER_ARRAY = 1 << 20
+MAX_CHUNKS_PER_SHARD = 1 << 22
+MAX_INNER_CHUNK_BYTES = 1 << 31
+MAX_MESH_SIZE = 1 << 24
+MAX_TREE_DEPTH = 256
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
@@ -121,6 +137,7 @@ class ArrayMeta:
             raise FormatError(f"array {name!r}: the stored name is invalid ({err})") from None
         if meta.path != expected_path:
             raise FormatError(f"array {name!r}: stored path {meta.path!r} is not {expected_path!r}, its name's path")
+        _check_geometry(name, meta, zarr_dtypes[meta.dtype].itemsize)
         return meta
 
     def zarr_metadata(self) -> dict[str, Any]:
@@ -155,6 +172,66 @@ class ArrayMeta:
             ],
             "attributes": {ATTRS_KEY: {"spec": self.spec.to_json()}},
         }
+
+
+def _check_geometry(name: str, meta: ArrayMeta, itemsize: int) -> None:
+    """The shapes of one entry are consistent and within the reader's limits (section 8)."""
+    problem = _geometry_problem(meta.shape, meta.shard_shape, meta.inner_chunk_shape, itemsize)
+    if problem:
+        raise FormatError(f"array {name!r}: {problem}")
+
+
+# Layers repeat a handful of shapes: the checks of one are a lookup for the others.
+@functools.lru_cache(maxsize=4096)
+def _geometry_problem(
+    shape: tuple[int, ...], shard: tuple[int, ...], inner: tuple[int, ...], itemsize: int
+) -> str | None:
+    if any(n < 0 for n in shape) or any(s < 1 for s in shard + inner):
+        return (
+            f"shape {list(shape)} must be >= 0 and shard_shape {list(shard)}, inner_chunk_shape "
+            f"{list(inner)} >= 1 in every dimension"
+        )
+    if any(s % c for s, c in zip(shard, inner)):
+        return f"inner_chunk_shape {list(inner)} does not divide shard_shape {list(shard)}"
+    limits = (
+        (math.prod(shape) * itemsize, MAX_ARRAY_BYTES, "bytes of the array"),
+        (math.prod(-(-n // s) for n, s in zip(shape, shard)), MAX_SHARDS_PER_ARRAY, "shards"),
+        (math.prod(s // c for s, c in zip(shard, inner)), MAX_CHUNKS_PER_SHARD, "inner chunks per shard"),
+        (math.prod(inner) * itemsize, MAX_INNER_CHUNK_BYTES, "bytes of an inner chunk"),
+    )
+    for value, limit, what in limits:
+        if value > limit:
+            return f"{value} {what}, above the reader's limit of {limit}"
+    return None
+
+
+def _check_grid(name: str, meta: ArrayMeta, mesh: Mesh) -> None:
+    """The chunk grid is the one the spec cuts on the mesh (section 5.2): ``shard_shape[d] =
+    max(1, ceil(shape[d] / k_d))``; a dimension the spec does not split holds the whole extent,
+    except the first dimension of a row-block array (spec ``[]``), cut into blocks of any rows."""
+    problem = _grid_problem(meta.shape, meta.shard_shape, meta.spec, mesh)
+    if problem:
+        raise FormatError(f"array {name!r}: {problem}; the metadata is corrupt")
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_problem(shape: tuple[int, ...], shard: tuple[int, ...], spec: P, mesh: Mesh) -> str | None:
+    from ..layout._plan import split_counts
+
+    if len(spec) > len(shape):
+        return f"spec {spec.to_json()} has more entries than the array's {len(shape)} dimensions"
+    missing = [axis for axis in spec.axes if axis not in mesh.axis_names]
+    if missing:
+        return f"spec {spec.to_json()} names axes {missing} that its mesh {mesh.to_json()} lacks"
+    counts = split_counts(len(shape), spec, mesh)
+    for d, (n, s, k) in enumerate(zip(shape, shard, counts)):
+        expected = max(1, -(-n // k))
+        if s != expected and not (d == 0 and not len(spec) and s <= expected):
+            return (
+                f"shard_shape {list(shard)} is not the grid its spec {spec.to_json()} cuts from shape "
+                f"{list(shape)} on {mesh.to_json()} (dimension {d}: expected {expected})"
+            )
+    return None
 
 
 @attrs.frozen
@@ -210,32 +287,31 @@ class CheckpointMeta:
                 f"{FORMAT_VERSION}; upgrade layoutckpt to read it"
             )
         try:
-            try:
-                # Version 1 nested each chunk key's parts as directories (``c/0/1``); version 2
-                # keeps them in one file name (``c.0.1``): a quarter fewer files and directories
-                # to create, each of which costs more than its bytes.
-                separator = "/" if version == 1 else "."
-                arrays = {
-                    str(name): ArrayMeta.from_dict(name, a, separator=separator) for name, a in d["arrays"].items()
-                }
-            except FormatError as err:
-                raise FormatError(f"{where}: {err}; the checkpoint's metadata is corrupt") from None
+            mesh = Mesh.from_json(d["mesh"])
+            if mesh.size > MAX_MESH_SIZE:
+                raise FormatError(f"{where}: a mesh of {mesh.size} ranks, above the reader's limit of {MAX_MESH_SIZE}")
+            arrays = _parse_arrays(d["arrays"], version, mesh, where)
             step = d.get("step")
             if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
                 raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
             _check_tree_matches(d["tree"], arrays, where)
             rank_state_world = d.get("rank_state_world")
             if rank_state_world is not None and (
-                not isinstance(rank_state_world, int) or isinstance(rank_state_world, bool) or rank_state_world < 1
+                not isinstance(rank_state_world, int)
+                or isinstance(rank_state_world, bool)
+                or not 1 <= rank_state_world <= MAX_MESH_SIZE
             ):
                 raise FormatError(f"{where}: rank_state_world must be a positive integer or absent")
+            user_metadata = d.get("user_metadata") or {}
+            if not isinstance(user_metadata, Mapping):
+                raise FormatError(f"{where}: user_metadata must be an object, got {type(user_metadata).__name__}")
             return cls(
                 arrays=arrays,
                 tree=d["tree"],
-                mesh=Mesh.from_json(d["mesh"]),
+                mesh=mesh,
                 rules=tuple((str(p), P.from_json(s)) for p, s in d["rules"]),
                 step=step,
-                user_metadata=dict(d.get("user_metadata") or {}),
+                user_metadata=dict(user_metadata),
                 library_version=str(d.get("library_version", "")),
                 format_version=version,
                 rank_state_world=rank_state_world,
@@ -253,16 +329,46 @@ class CheckpointMeta:
             ) from None
 
 
-def _check_tree_matches(tree: Any, arrays: Mapping[str, ArrayMeta], where: str) -> None:
-    """Every array node of the tree has an entry in ``arrays``, and every entry a node."""
-    from ..layout._tree import leaf_nodes
-
+def _parse_arrays(entries: Any, version: int, mesh: Mesh, where: str) -> dict[str, ArrayMeta]:
+    """The array entries, each checked alone (4.1) and against the mesh its spec names (5.2)."""
+    # Version 1 nested each chunk key's parts as directories (``c/0/1``); later versions keep
+    # them in one file name (``c.0.1``): a quarter fewer files and directories to create.
+    separator = "/" if version == 1 else "."
+    arrays = {}
     try:
-        named = [node["array"] for _, node in leaf_nodes(tree) if "array" in node]
-    except (TypeError, KeyError, ValueError, AttributeError) as err:
-        raise FormatError(f"{where}: the tree structure is malformed ({err!r}); the checkpoint is corrupt") from None
-    missing = sorted(set(named) - set(arrays))
-    unreferenced = sorted(set(arrays) - set(named))
+        for name, entry in entries.items():
+            a = ArrayMeta.from_dict(name, entry, separator=separator)
+            own = a.mesh or mesh
+            if own.size != mesh.size:
+                raise FormatError(f"array {name!r}: its mesh has {own.size} ranks, the checkpoint's {mesh.size}")
+            _check_grid(name, a, own)
+            arrays[str(name)] = a
+    except FormatError as err:
+        raise FormatError(f"{where}: {err}; the checkpoint's metadata is corrupt") from None
+    return arrays
+
+
+def _check_tree_matches(tree: Any, arrays: Mapping[str, ArrayMeta], where: str) -> None:
+    """The tree is well formed, no deeper than ``MAX_TREE_DEPTH``, and every array node of it
+    has an entry in ``arrays``, and every entry a node (an alias names a stored array)."""
+    named: set[str] = set()
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    first = True
+    while stack:
+        node, depth = stack.pop()
+        problem = _node_problem(node, depth, root=first)
+        first = False
+        if problem:
+            raise FormatError(f"{where}: the tree structure is malformed ({problem}); the checkpoint is corrupt")
+        ((kind, body),) = node.items()
+        if kind == "dict":
+            stack.extend((child, depth + 1) for _, child in body)
+        elif kind in ("list", "tuple"):
+            stack.extend((child, depth + 1) for child in body)
+        elif kind == "array":
+            named.add(body)
+    missing = sorted(named - set(arrays))
+    unreferenced = sorted(set(arrays) - named)
     if missing or unreferenced:
         raise FormatError(
             f"{where}: the tree and the arrays table disagree (tree-only: {missing[:5]}, "
@@ -270,25 +376,98 @@ def _check_tree_matches(tree: Any, arrays: Mapping[str, ArrayMeta], where: str) 
         )
 
 
+def _node_problem(node: Any, depth: int, *, root: bool) -> str | None:
+    """What is wrong with one tree node (section 6), or None."""
+    if depth > MAX_TREE_DEPTH:
+        return f"nested deeper than {MAX_TREE_DEPTH} levels"
+    if type(node) is not dict or len(node) != 1:
+        return f"a node must be an object with one member, got {str(node)[:80]}"
+    ((kind, body),) = node.items()
+    if root and kind not in ("dict", "list", "tuple"):
+        return f"the root must be a dict, list or tuple node, got {kind!r}"
+    if kind == "dict":
+        ok = type(body) is list and all(type(e) is list and len(e) == 2 and type(e[0]) in (str, int) for e in body)
+        return None if ok else "a dict node must hold [key, node] pairs with str or int keys"
+    if kind in ("list", "tuple"):
+        return None if type(body) is list else f"a {kind} node must hold a list"
+    if kind == "array":
+        return None if type(body) is str else "an array node must hold a name"
+    if kind == "value":
+        return None if body is None or type(body) in (bool, int, float, str) else "a value node must hold a JSON scalar"
+    if kind == "float":
+        return None if body in ("nan", "inf", "-inf") else "a float node must hold 'nan', 'inf' or '-inf'"
+    return f"unknown node kind {kind!r}"
+
+
+def canonical_json(value: Any) -> bytes:
+    """The canonical form the root checksum covers (section 4): compact JSON, members in their
+    stored order, non-ASCII characters escaped, numbers as Python writes them."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def checksum(body: Mapping[str, Any]) -> str:
+    """The SHA-256 (hex) of the ``layoutckpt`` object without its checksum member."""
+    return hashlib.sha256(canonical_json({k: v for k, v in body.items() if k != CHECKSUM_KEY})).hexdigest()
+
+
 def root_document(meta: CheckpointMeta) -> bytes:
-    doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: meta.to_dict()}}
+    body = meta.to_dict()
+    if meta.format_version >= 3:
+        body[CHECKSUM_KEY] = checksum(body)
     # Compact: opening a checkpoint reads this document, and indentation doubles its size (and
     # makes json fall back to its slower pure-Python encoder).
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return canonical_json({"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: body}})
 
 
 def group_document() -> bytes:
-    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
+    return json.dumps(GROUP_DOCUMENT).encode()
+
+
+# What every group on the way to an array holds (section 3), and ``.rank_state``.
+GROUP_DOCUMENT = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def parse_json(raw: bytes, what: str) -> Any:
+    """``raw`` as strict JSON; ``FormatError`` naming ``what`` if it is not (nesting too deep for
+    the parser, or the ``NaN`` and ``Infinity`` tokens the format forbids, included)."""
+
+    def refuse(token: str) -> Any:
+        raise ValueError(f"the token {token} is not strict JSON")
+
+    try:
+        return json.loads(raw, parse_constant=refuse)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise FormatError(f"{what} is not valid JSON ({err}); the checkpoint is corrupt") from None
+    except RecursionError:
+        raise FormatError(
+            f"{what} is nested too deeply to be a layoutckpt document; the checkpoint is corrupt"
+        ) from None
 
 
 def parse_root_document(raw: bytes, where: str) -> CheckpointMeta:
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FormatError(f"{where}: zarr.json is not valid JSON ({err}); the checkpoint is corrupt") from None
+    if len(raw) > MAX_ROOT_DOCUMENT_BYTES:
+        raise FormatError(
+            f"{where}: zarr.json is {len(raw)} bytes, above the reader's limit of {MAX_ROOT_DOCUMENT_BYTES}"
+        )
+    doc = parse_json(raw, f"{where}: zarr.json")
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise FormatError(f"{where}: zarr.json is not a Zarr v3 group document")
     attributes = doc.get("attributes")
     if not isinstance(attributes, dict) or ATTRS_KEY not in attributes:
         raise FormatError(f"{where}: a Zarr group without {ATTRS_KEY!r} metadata; not a layoutckpt checkpoint")
-    return CheckpointMeta.from_dict(attributes[ATTRS_KEY], where)
+    body = attributes[ATTRS_KEY]
+    meta = CheckpointMeta.from_dict(body, where)
+    if meta.format_version >= 3:
+        # Checked after the structure, so that a malformed document is named for what is wrong
+        # with it; a well-formed one that was edited (a step, a shape) fails here.
+        stored = body.get(CHECKSUM_KEY)
+        try:
+            actual = checksum(body)
+        except ValueError:
+            actual = None
+        if stored != actual:
+            raise FormatError(
+                f"{where}: zarr.json fails its checksum (its {CHECKSUM_KEY!r} member is {str(stored)[:80]!r}): "
+                "the metadata was changed after the save or is damaged; restore the checkpoint from a copy"
+            )
+    return meta

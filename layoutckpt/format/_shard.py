@@ -89,3 +89,34 @@ def inner_boxes(
         starts = range(i * s, (i + 1) * s, c)
         per_dim.append([(start, min(start + c, n)) for start in starts])
     return (box if all(a < b for a, b in box) else None for box in itertools.product(*per_dim))
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+_BLOSC_HEADER_BYTES = 16
+
+
+def declared_size(compression: str | None, payload: Any) -> int | None:
+    """The decoded byte count an encoded inner chunk declares in its header, read before any
+    decoding so that a reader can refuse a chunk that would inflate past its inner chunk's size
+    (a decompression bomb); None where the header declares none or is malformed.
+
+    A zstd frame states its content size in its header (RFC 8878 section 3.1.1.1); a blosc
+    chunk's 16-byte header states it at bytes 4 to 8, and its own length at bytes 12 to 16.
+    """
+    head = bytes(payload[:18])
+    if compression == "blosc":
+        if len(head) < _BLOSC_HEADER_BYTES or int.from_bytes(head[12:16], "little") != len(payload):
+            return None
+        return int.from_bytes(head[4:8], "little")
+    if compression != "zstd" or len(head) < 5 or int.from_bytes(head[:4], "little") != _ZSTD_MAGIC:
+        return None
+    descriptor = head[4]
+    single_segment = (descriptor >> 5) & 1
+    size_bytes = (1 if single_segment else 0, 2, 4, 8)[descriptor >> 6]
+    if size_bytes == 0:
+        return None  # content size unknown: not what a writer of this format writes
+    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 3]
+    if len(payload) < at + size_bytes:
+        return None
+    value = int.from_bytes(bytes(payload[at : at + size_bytes]), "little")
+    return value + 256 if size_bytes == 2 else value

@@ -22,6 +22,11 @@ JSONScalar = None | bool | int | float | str
 
 # Characters that would escape the name's directory, or that stores treat specially.
 _BAD_CHARS = re.compile(r"[/\\\x00-\x1f\x7f]")
+# A part is a directory or file name: file systems cap those at 255 bytes (NAME_MAX). The whole
+# storage path is capped well below PATH_MAX (4096 bytes), which must also hold the directory
+# the checkpoint is in, its temporary name and a chunk key (docs/format.md section 2.1).
+MAX_PART_BYTES = 255
+MAX_PATH_BYTES = 2048
 
 
 def is_array_leaf(x: object) -> bool:
@@ -41,9 +46,16 @@ def _torch() -> Any:
 def name_to_path(name: str) -> str:
     """``model.layers.0.weight`` -> ``model/layers/0/weight``, refusing names that are unsafe."""
     parts = name.split(".")
+    if _utf8_len(name) > MAX_PATH_BYTES:
+        raise InvalidNameError(
+            f"array name {name[:64]!r}... is {_utf8_len(name)} bytes as a storage path, above the "
+            f"limit of {MAX_PATH_BYTES}; use shorter keys in the state"
+        )
     for part in parts:
         problem = None
-        if part == "":
+        if _utf8_len(part) > MAX_PART_BYTES:
+            problem = f"a part of {_utf8_len(part)} bytes ({part[:32]!r}...), longer than a file name may be"
+        elif part == "":
             problem = "an empty part (two dots in a row, or a leading or trailing dot)"
         elif _BAD_CHARS.search(part):
             problem = f"part {part!r} with a slash, backslash or control character"
@@ -55,6 +67,10 @@ def name_to_path(name: str) -> str:
                 "dot-separated part is a plain, non-empty name"
             )
     return "/".join(parts)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _key_str(key: object, where: str) -> str:

@@ -27,6 +27,7 @@ import abc
 import errno
 import functools
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,15 +36,18 @@ import attrs
 import tensorstore as ts
 
 from ..base import _faults
-from ..base._errors import CheckpointExistsError, CheckpointNotFoundError
+from ..base._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError
 from ..base._metrics import InFlight
 from ..base._options import IOConfig
 from ..base._workers import Workers
+from ..format._format import MAX_ROOT_DOCUMENT_BYTES
 from . import _commit, _os
 from ._readers import BoxReader, ShardFileReader, TensorStoreReader
 from ._writers import BoxWriter, ShardFileWriter, TensorStoreWriter
 
 MARKER = "zarr.json"
+# The largest group or array document a reader takes (the root document has its own limit).
+MAX_DOCUMENT_BYTES = 64 << 20
 PENDING = ".layoutckpt-pending"
 SCHEMES = ("file", "s3", "gs", "memory")
 
@@ -124,8 +128,10 @@ class Location(abc.ABC):
         """The TensorStore kvstore spec of ``rel`` under this location."""
 
     @abc.abstractmethod
-    def read(self, key: str) -> bytes | None:
-        """The bytes stored at ``key``, or None where there are none."""
+    def read(self, key: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> bytes | None:
+        """The bytes stored at ``key``, or None where there are none. ``_os.NotRegularFile``
+        where they are more than ``max_bytes``, or (on a file system) not a regular file inside
+        the checkpoint reached through no symbolic link."""
 
     @abc.abstractmethod
     def write(self, key: str, data: bytes) -> None:
@@ -201,9 +207,11 @@ class LocalDir(Location):
     def kvstore(self, rel: str = "") -> dict[str, Any]:
         return {"driver": "file", "path": os.fspath(self.root / rel) + "/"}
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> bytes | None:
+        # Only a regular file inside the checkpoint, of bounded size: a document linked to
+        # another checkpoint, to /dev/zero or made a FIFO is refused rather than read.
         try:
-            return (self.root / key).read_bytes()
+            return _os.read_regular(self.root, key, max_bytes)
         except (FileNotFoundError, NotADirectoryError):
             return None
 
@@ -229,7 +237,7 @@ class LocalDir(Location):
         return (self.root / MARKER).is_file()
 
     def missing_hint(self) -> str:
-        return " (the directory exists but has no commit marker: the save never finished)" if self.exists() else ""
+        return _local_hint(self.root)
 
     def box_reader(self, where: str, complete: bool, io: IOConfig) -> BoxReader:
         return ShardFileReader(self.root, where, complete, io)
@@ -293,9 +301,13 @@ class KvPrefix(Location):
     def _kv(self) -> ts.KvStore:
         return ts.KvStore.open(self.spec, context=shared_context()).result()
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> bytes | None:
         got = self._kv.read(key).result()
-        return bytes(got.value) if got.state == "value" else None
+        if got.state != "value":
+            return None
+        if len(got.value) > max_bytes:
+            raise _os.NotRegularFile(errno.EFBIG, f"{len(got.value)} bytes, above the limit of {max_bytes}", key)
+        return bytes(got.value)
 
     def write(self, key: str, data: bytes) -> None:
         self._kv.write(key, data).result()
@@ -385,9 +397,71 @@ def _exists(url: str) -> CheckpointExistsError:
     )
 
 
+def _local_hint(root: Path) -> str:
+    """What ``root`` is instead of a checkpoint, from a bounded look at two levels below it: a
+    file, a folder of checkpoints (a run root), the arrays of a checkpoint without its marker,
+    or something else."""
+    if not root.exists():
+        return ""
+    if not root.is_dir():
+        return " (it is a file; a checkpoint is a directory)"
+    level = [root]
+    for _ in range(2):
+        level = [d / name for d in level for name in sorted(_subdirs(d), reverse=True)[:_LOOK_AT]]
+        marked = [d for d in level if (d / MARKER).is_file()]
+        roots = [d for d in marked if _is_checkpoint_root(d)]
+        if roots:
+            return f" (the directory holds checkpoints, not one: name one of them, e.g. {os.fspath(roots[0])!r})"
+        if marked:
+            return (
+                " (the directory holds Zarr arrays but no commit marker zarr.json at its top: "
+                "a save or copy that never finished)"
+            )
+    return " (the directory is not a checkpoint: it holds no commit marker zarr.json and no Zarr arrays)"
+
+
+# How many subdirectories of each directory ``_local_hint`` looks into: enough for the cases it
+# tells apart, few enough that the hint costs no noticeable time on a huge directory.
+_LOOK_AT = 16
+# A checkpoint's root document: a Zarr group whose attributes hold the library's metadata (an
+# array's document has node_type "array"; a group inside a checkpoint has no such attribute).
+_ROOT_DOCUMENT = (re.compile(rb'"node_type"\s*:\s*"group"'), re.compile(rb'"layoutckpt"\s*:'))
+
+
+def _subdirs(folder: Path) -> list[str]:
+    names = []
+    try:
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if e.is_dir():
+                    names.append(e.name)
+                if len(names) >= 256:
+                    break
+    except OSError:
+        return []
+    return names
+
+
+def _is_checkpoint_root(folder: Path) -> bool:
+    """Whether ``folder/zarr.json`` opens as a checkpoint's root document: its first 4 KiB name a
+    group with layoutckpt metadata (the whole document can be megabytes)."""
+    try:
+        with (folder / MARKER).open("rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return all(pattern.search(head) for pattern in _ROOT_DOCUMENT)
+
+
 def read_marker(loc: Location) -> bytes:
     """The commit marker's bytes; ``CheckpointNotFoundError`` when there is none."""
-    raw = loc.read(MARKER)
+    try:
+        raw = loc.read(MARKER, MAX_ROOT_DOCUMENT_BYTES)
+    except _os.NotRegularFile as err:
+        raise FormatError(
+            f"{loc.url}: its commit marker zarr.json cannot be read safely ({err.strerror}); layoutckpt "
+            "reads only regular files inside a checkpoint, through no symbolic link: replace it with the file itself"
+        ) from None
     if raw is None:
         raise CheckpointNotFoundError(
             errno.ENOENT, f"no committed layoutckpt checkpoint at {loc.url!r}{loc.missing_hint()}", loc.url

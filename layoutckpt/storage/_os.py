@@ -13,6 +13,7 @@ import ctypes.util
 import errno
 import fcntl
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,115 @@ def fsync_tree(root: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- reading
+
+
+class NotRegularFile(OSError):
+    """A checkpoint's file is a symbolic link, lies behind one, or is not a regular file (a
+    FIFO, a device): a reader opens none of these."""
+
+
+# Opened without following a symbolic link as the last part, and without blocking where the file
+# is a FIFO with no writer (``fstat`` then refuses it).
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture (a syscall added after 5.1)
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_SYSCALL = linux_call("syscall")
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_openat2_works = _SYSCALL is not None
+
+
+def _openat2(dir_fd: int, rel: str) -> int | None:
+    """``openat2`` of ``rel`` under ``dir_fd``, refusing symbolic links on the way and any path
+    leaving the directory; None where the kernel lacks the call (Linux before 5.6)."""
+    global _openat2_works
+    how = _OpenHow(_READ_FLAGS, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS)
+    fd = _SYSCALL(_SYS_OPENAT2, dir_fd, os.fsencode(rel), ctypes.byref(how), ctypes.sizeof(how))
+    if fd >= 0:
+        return int(fd)
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EPERM):  # no openat2, or a seccomp filter that refuses it
+        _openat2_works = False
+        return None
+    raise OSError(err, os.strerror(err), rel)
+
+
+def _open_walk(dir_fd: int, rel: str) -> int:
+    """``rel`` under ``dir_fd`` opened one part at a time, none of them followed if a symbolic link."""
+    parts = rel.split("/")
+    fd = os.dup(dir_fd)
+    try:
+        for part in parts[:-1]:
+            if part in ("", ".", ".."):
+                raise OSError(errno.EXDEV, "the path leaves the checkpoint", rel)
+            nxt = os.open(part, _READ_FLAGS | getattr(os, "O_DIRECTORY", 0), dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        if parts[-1] in ("", ".", ".."):
+            raise OSError(errno.EXDEV, "the path leaves the checkpoint", rel)
+        return os.open(parts[-1], _READ_FLAGS, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def open_regular(root: Path, rel: str) -> int:
+    """Open the file ``rel`` (a relative path with ``/``) under the directory ``root`` for
+    reading, only if it is a regular file inside ``root`` reached through no symbolic link.
+
+    ``root`` itself may be a link (the user named it). Raises ``FileNotFoundError`` where the file
+    is absent and ``NotRegularFile`` where it is a link, lies behind one, or is a FIFO, a device
+    or a directory. ``O_NONBLOCK`` keeps a FIFO from blocking the open; it changes nothing for
+    a regular file.
+    """
+    root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = _openat2(root_fd, rel) if _openat2_works else None
+        if fd is None:
+            fd = _open_walk(root_fd, rel)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):
+            raise NotRegularFile(err.errno, "a symbolic link or a path leaving the checkpoint", rel) from None
+        raise
+    finally:
+        os.close(root_fd)
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"not a regular file (mode {stat.filemode(mode)})", rel)
+    return fd
+
+
+def read_regular(root: Path, rel: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``rel`` under ``root`` (as ``open_regular`` opens it);
+    ``NotRegularFile`` above ``max_bytes``, before reading any."""
+    fd = open_regular(root, rel)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise NotRegularFile(errno.EFBIG, f"{size} bytes, above the limit of {max_bytes} for this document", rel)
+        chunks = []
+        total = 0
+        while total <= size:  # to the end, though the file may have changed since ``fstat``
+            chunk = os.read(fd, max(size - total, 0) + 1)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise NotRegularFile(errno.EFBIG, f"more than {max_bytes} bytes", rel)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14 and later
 

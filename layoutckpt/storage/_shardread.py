@@ -27,7 +27,7 @@ import crc32c
 import numpy as np
 
 from ..base._options import DEFAULT_IO, IOConfig
-from ..format._shard import ABSENT, codec_for
+from ..format._shard import ABSENT, codec_for, declared_size
 from ..layout._plan import Box
 from . import _os
 
@@ -79,7 +79,7 @@ def read_box(
     try:
         shard = meta.shard_shape
         for cell in itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard))):
-            nread += fill.shard(root / meta.path / meta.chunk_key(cell), meta.chunk_key(cell), cell, prefetch)
+            nread += fill.shard(root, meta.chunk_key(cell), cell, prefetch)
     finally:
         with _read_lock:
             _bytes_read += nread
@@ -99,8 +99,9 @@ class _BoxFill:
         self.steps = [math.prod(grid[d + 1 :]) for d in range(len(grid))]
         self.table_bytes = 16 * math.prod(grid) + 4
         self.buffer = np.empty(0, np.uint8)
+        self.decoded = np.empty(0, np.uint8)  # an inner chunk's decoded bytes, reused
 
-    def shard(self, path: Path, key: str, cell: Sequence[int], prefetch: bool) -> int:
+    def shard(self, root: Path, key: str, cell: Sequence[int], prefetch: bool) -> int:
         """Read this box's part of one shard file; return the bytes read."""
         origin = [c * s for c, s in zip(cell, self.meta.shard_shape)]
         # The inner chunks of this shard that the box overlaps, along each dimension.
@@ -109,8 +110,12 @@ class _BoxFill:
             for (a, b), o, s, c in zip(self.box, origin, self.meta.shard_shape, self.inner)
         ]
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            # A regular file inside the checkpoint only: a shard linked to another checkpoint's,
+            # or made a FIFO, would otherwise be read as this one (or block the read).
+            fd = _os.open_regular(root, f"{self.meta.path}/{key}")
+        except _os.NotRegularFile as err:
+            raise Damaged(False, f"shard {key} is not a regular file inside the checkpoint ({err.strerror})") from None
+        except (FileNotFoundError, NotADirectoryError):
             if self.complete:
                 raise Damaged(True, f"shard {key} does not exist") from None
             for at in itertools.product(*ranges):
@@ -125,14 +130,19 @@ class _BoxFill:
             os.close(fd)
 
     def index(self, fd: int, key: str, size: int) -> tuple[list[int], list[int]]:
-        """The shard's index: (offsets, lengths) of its inner chunks, checked."""
+        """The shard's index: (offsets, lengths) of its inner chunks, checked: its crc32c, and
+        every stored chunk inside the file before the index, overlapping no other."""
         if size < self.table_bytes:
             raise Damaged(False, f"shard {key} is {size} bytes, too short for its index")
         table = os.pread(fd, self.table_bytes, size - self.table_bytes)
-        if crc32c.crc32c(table[:-4]) != int.from_bytes(table[-4:], "little"):
+        if len(table) != self.table_bytes or crc32c.crc32c(table[:-4]) != int.from_bytes(table[-4:], "little"):
             raise Damaged(False, f"the index of shard {key} fails its crc32c")
         entries = np.frombuffer(table, "<u8", count=(self.table_bytes - 4) // 8)
-        return entries[0::2].tolist(), entries[1::2].tolist()
+        offsets, lengths = entries[0::2], entries[1::2]
+        problem = _index_problem(offsets, lengths, size - self.table_bytes)
+        if problem:
+            raise Damaged(False, f"the index of shard {key} is invalid: {problem}")
+        return offsets.tolist(), lengths.tolist()
 
     def runs(
         self,
@@ -154,8 +164,6 @@ class _BoxFill:
                     raise Damaged(True, f"inner chunk {_cell(at)} of shard {key} is not stored")
                 self.place(origin, at, None)
                 continue
-            if nbytes < 4 or offset + nbytes > size - self.table_bytes:
-                raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} lies outside its file")
             run = runs[-1] if runs else None
             if run is None or offset != run[-1][2] + run[-1][3] or offset + nbytes - run[0][2] > self.io.read_run_bytes:
                 runs.append([])
@@ -193,12 +201,30 @@ class _BoxFill:
             payload = view[:-4]
             if crc32c.crc32c(payload) != int.from_bytes(view[-4:], "little"):
                 raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} fails its crc32c")
-            raw = payload if self.codec is None else np.frombuffer(self.codec.decode(payload), np.uint8)
+            raw = payload if self.codec is None else self.decode(key, at, payload)
             if len(raw) != self.chunk_bytes:
                 raise Damaged(
-                    False, f"inner chunk {_cell(at)} of shard {key} decodes to {len(raw)} bytes, not {self.chunk_bytes}"
+                    False, f"inner chunk {_cell(at)} of shard {key} holds {len(raw)} bytes, not {self.chunk_bytes}"
                 )
             self.place(origin, at, raw.view(self.out.dtype))
+
+    def decode(self, key: str, at: Sequence[int], payload: np.ndarray) -> np.ndarray:
+        """Decompress one inner chunk into the reused buffer, after its header says it decodes
+        to exactly the inner chunk's bytes: a chunk that would inflate further is refused
+        before any memory is taken for it."""
+        declared = declared_size(self.meta.compression, payload)
+        if declared != self.chunk_bytes:
+            raise Damaged(
+                False,
+                f"inner chunk {_cell(at)} of shard {key} declares {declared} decoded bytes, not {self.chunk_bytes}",
+            )
+        if len(self.decoded) != self.chunk_bytes:
+            self.decoded = np.empty(self.chunk_bytes, np.uint8)
+        try:
+            self.codec.decode(payload, out=self.decoded)
+        except (RuntimeError, ValueError) as err:  # numcodecs reports corrupt input so
+            raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} fails to decode ({err})") from None
+        return self.decoded
 
     def place(self, origin: Sequence[int], at: Sequence[int], chunk: np.ndarray | None) -> None:
         """Copy the part of inner chunk ``at`` (of the shard at ``origin``) inside the box to the
@@ -210,6 +236,45 @@ class _BoxFill:
             dst.append(slice(lo - a, hi - a))
             src.append(slice(lo - start, hi - start))
         self.out[tuple(dst)] = 0 if chunk is None else chunk.reshape(self.inner)[tuple(src)]
+
+
+def _index_problem(offsets: np.ndarray, lengths: np.ndarray, end: int) -> str | None:
+    """What is wrong with a shard index whose chunks must lie in bytes ``[0, end)`` of the file,
+    or None: an entry half absent, a chunk shorter than its checksum, past ``end``, or overlapping
+    another (a crafted index could otherwise make two cells read the same bytes)."""
+    if len(offsets) <= 16:  # a few entries: checked in Python, without NumPy's per-call cost
+        return _small_index_problem(offsets.tolist(), lengths.tolist(), end)
+    absent = offsets == ABSENT
+    if not np.array_equal(absent, lengths == ABSENT):
+        return "an entry has only one of its offset and length marked absent"
+    if absent.all():
+        return None
+    o, n = offsets[~absent], lengths[~absent]
+    # ``o <= end`` first, so that ``end - o`` cannot wrap around.
+    if (n < 4).any() or (o > end).any() or (n > end - np.minimum(o, end)).any():
+        return "an inner chunk lies outside the file's data or is shorter than its checksum"
+    if len(o) > 1:
+        order = np.argsort(o, kind="stable")
+        if (o[order[:-1]] + n[order[:-1]] > o[order[1:]]).any():
+            return "two inner chunks overlap"
+    return None
+
+
+def _small_index_problem(offsets: list[int], lengths: list[int], end: int) -> str | None:
+    """``_index_problem`` of a short index."""
+    spans = []
+    for o, n in zip(offsets, lengths):
+        if (o == ABSENT) != (n == ABSENT):
+            return "an entry has only one of its offset and length marked absent"
+        if o == ABSENT:
+            continue
+        if n < 4 or o + n > end:
+            return "an inner chunk lies outside the file's data or is shorter than its checksum"
+        spans.append((o, n))
+    spans.sort()
+    if any(a + n > b for (a, n), (b, _) in itertools.pairwise(spans)):
+        return "two inner chunks overlap"
+    return None
 
 
 def _cell(at: Sequence[int]) -> str:

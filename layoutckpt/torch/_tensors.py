@@ -53,6 +53,18 @@ def torch_dtype(zarr_dtype: str) -> Any:
 
 
 def tensor_zarr_dtype(t: torch.Tensor, name: str) -> str:
+    """The stored dtype name of the tensor leaf ``name``; ``TypeError`` naming it for a tensor
+    that cannot be stored (a dtype without a stored name, a sparse layout, no data)."""
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"array {name!r} is a {t.layout} tensor; layoutckpt stores dense tensors only: save "
+            "t.to_dense(), or its indices and values as arrays of their own"
+        )
+    if t.device.type == "meta":
+        raise TypeError(
+            f"array {name!r} is on the meta device and holds no data; materialize it (e.g. "
+            "module.to_empty(device='cpu') and initialize or load it) before saving"
+        )
     found = zarr_name_of(t.dtype)
     if found is None:
         raise TypeError(

@@ -4,7 +4,8 @@
     python tests/golden/make_golden.py --force    # only when deliberately re-cutting this version
 
 Run once per format version, by the layoutckpt that introduced it: ``v1`` was written by
-layoutckpt 0.1 (format version 1), ``v2`` when chunk keys became ``c.0.1``.
+layoutckpt 0.1 (format version 1), ``v2`` when chunk keys became ``c.0.1``, ``v3`` when
+the root document gained its checksum.
 
 The goldens are the compatibility promise of ``docs/format.md``: every later layoutckpt must read
 them. Regenerating them with a newer library would hide a format change, so the tests never run

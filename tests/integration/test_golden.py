@@ -8,11 +8,13 @@ Each test that reads ``basic`` runs on every version; they differ only where the
 - version 1 nests a chunk key's parts as directories (``c/0/1``), version 2 joins them with dots
   in one file name (``c.0.1``);
 - the version 1 goldens were written before ``all_chunks_stored``, so their all-zero chunks are
-  absent; version 2's are all stored.
+  absent; version 2's are all stored;
+- version 3's root documents carry a SHA-256 of their metadata (``sha256``), which readers check.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -32,7 +34,7 @@ import zarr
 import layoutckpt as lc
 from tests.support.paths import GOLDEN as GOLDENS
 
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 MISSING = 2**64 - 1
 
 
@@ -58,6 +60,10 @@ class Golden:
     def all_chunks_stored(self) -> bool:
         return self.version >= 2
 
+    @property
+    def sealed(self) -> bool:
+        return self.version >= 3
+
     def shard(self, name: str, *cell: int) -> Path:
         """The shard file of ``name`` at grid ``cell``, by the spec's chunk key rule."""
         return self.path / name.replace(".", "/") / self.separator.join(["c", *map(str, cell)])
@@ -65,6 +71,15 @@ class Golden:
 
 @pytest.fixture(params=VERSIONS, ids=[f"v{v}" for v in VERSIONS])
 def golden(request) -> Golden:
+    return Golden(request.param)
+
+
+SEALED = [v for v in VERSIONS if Golden(v).sealed]
+
+
+@pytest.fixture(params=SEALED, ids=[f"v{v}" for v in SEALED])
+def sealed(request) -> Golden:
+    """The goldens of the versions whose root document carries a checksum (3 on)."""
     return Golden(request.param)
 
 
@@ -229,7 +244,8 @@ def test_root_document_fields(golden):
     doc = json.loads((golden.path / "zarr.json").read_bytes())
     assert doc["zarr_format"] == 3 and doc["node_type"] == "group"
     meta = doc["attributes"]["layoutckpt"]
-    assert set(meta) - {"all_chunks_stored"} == {
+    assert ("sha256" in meta) is golden.sealed
+    assert set(meta) - {"all_chunks_stored", "sha256"} == {
         "format_version",
         "library_version",
         "arrays",
@@ -584,6 +600,33 @@ def test_compressed_goldens(golden, compression, codec):
     assert_bits_equal(got["h"], torch.tensor([-4.0, -3, -2, -1, 0, 1, 2, 3]).to(torch.bfloat16))
     assert lc.open(path).info("w").compression == compression
     assert zarr.open_array(path / "w", mode="r")[1:3, 4].tolist() == [10.0, 16.0]
+
+
+def test_root_checksum_covers_the_bytes_of_the_metadata(sealed):
+    # Format section 4: a compact writer hashes exactly the bytes between '"layoutckpt":' and
+    # ',"sha256"'; computed here from the file's bytes, not by the library.
+    for path in (sealed.path, sealed.root / "zstd", sealed.root / "blosc"):
+        raw = (path / "zarr.json").read_bytes()
+        start = raw.index(b'"layoutckpt":') + len(b'"layoutckpt":')
+        end = raw.rindex(b',"sha256":"')
+        digest = raw[end + len(b',"sha256":"') : end + len(b',"sha256":"') + 64].decode()
+        assert (
+            raw[start:end] + b"}"
+            == json.dumps(
+                {k: v for k, v in json.loads(raw)["attributes"]["layoutckpt"].items() if k != "sha256"},
+                separators=(",", ":"),
+            ).encode()
+        )
+        assert hashlib.sha256(raw[start:end] + b"}").hexdigest() == digest
+
+
+def test_an_edited_root_document_is_refused(tmp_path, sealed):
+    basic_copy = tmp_path / "basic"
+    shutil.copytree(sealed.path, basic_copy)
+    text = (basic_copy / "zarr.json").read_text()
+    (basic_copy / "zarr.json").write_text(text.replace('"step":12', '"step":13'))
+    with pytest.raises(lc.FormatError, match="fails its checksum"):
+        lc.open(basic_copy)
 
 
 # ---------------------------------------------------------------------------------------------

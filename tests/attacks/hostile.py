@@ -1,0 +1,395 @@
+"""The corpus: each hostile checkpoint, how it is made, and what a reader must do with it.
+
+Every entry builds its checkpoint under a fresh directory from a valid one (``craft``), names
+the verb that meets it (``open``, ``load``, ``load_rank_state`` or ``verify``) and the typed error that verb must
+raise, with a fragment of its message (for ``verify``: a fragment of a reported problem).
+``test_attacks.py`` runs each within a time limit and a bound on the memory it allocates.
+Entries marked ``gap`` are known to be read silently today; they run as strict expected
+failures, so the day a check catches them the suite says so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+import layoutckpt as lc
+
+from . import craft
+from .craft import ABSENT, array_entry, edit_root
+
+W = "model.w"
+
+
+@attrs.frozen
+class Attack:
+    name: str
+    make: Callable[[Path], Path]
+    verb: str  # "open", "load", "load_rank_state" or "verify"
+    error: type[BaseException] | None  # None for verify: it reports instead of raising
+    match: str
+    gap: str = ""  # why the attack is not caught yet, where it is not
+
+
+CORPUS: list[Attack] = []
+
+
+def attack(verb: str, error: type[BaseException] | None, match: str, gap: str = "") -> Callable:
+    def register(make: Callable[[Path], Path]) -> Callable[[Path], Path]:
+        CORPUS.append(Attack(make.__name__, make, verb, error, match, gap))
+        return make
+
+    return register
+
+
+# ------------------------------------------------- the root document: checksum and invariants
+
+
+@attack("open", lc.FormatError, "fails its checksum")
+def root_step_edited(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    text = (path / "zarr.json").read_text()
+    (path / "zarr.json").write_text(text.replace('"step":12', '"step":13'))
+    return path
+
+
+@attack("open", lc.FormatError, "fails its checksum")
+def root_shape_shrunk(tmp: Path) -> Path:
+    # [64,64] -> [64,24], with the shard and inner chunk shapes to match, so that every
+    # invariant holds and only the checksum can tell.
+    path = craft.plain(tmp / "ckpt")
+    text = (path / "zarr.json").read_text()
+    (path / "zarr.json").write_text(text.replace("[64,64]", "[64,24]").replace("[16,64]", "[16,24]"))
+    return path
+
+
+@attack("open", lc.FormatError, "fails its checksum")
+def root_checksum_removed(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, lambda body: body.pop("sha256"), reseal=False)
+    return path
+
+
+@attack("open", lc.FormatError, "shard_shape")
+def root_shape_shrunk_resealed(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, array_entry(W)(lambda a: a.update(shape=[64, 24])))
+    return path
+
+
+@attack("open", lc.FormatError, "shard_shape")
+def root_shape_below_its_shard(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, array_entry(W)(lambda a: a.update(shape=[60, 64])))
+    return path
+
+
+@attack("open", lc.FormatError, ">= 0")
+def root_negative_dimension(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, array_entry(W)(lambda a: a.update(shape=[-64, 64])))
+    return path
+
+
+@attack("open", lc.FormatError, ">= 1")
+def root_shard_shape_zero(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, array_entry(W)(lambda a: a.update(shard_shape=[0, 64])))
+    return path
+
+
+@attack("open", lc.FormatError, "does not divide")
+def root_inner_chunks_do_not_divide(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, array_entry(W)(lambda a: a.update(inner_chunk_shape=[10, 64])))
+    return path
+
+
+@attack("open", lc.FormatError, "bytes of the array")
+def root_shape_of_petabytes(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, array_entry(W)(lambda a: a.update(shape=[10**15, 64], shard_shape=[10**15, 64])))
+    return path
+
+
+@attack("open", lc.FormatError, "mesh of 300000000 ranks")
+def root_mesh_of_300_million(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, lambda body: body.update(mesh=[["dp", 300_000_000]]))
+    return path
+
+
+@attack("open", lc.FormatError, "shards, above")
+def root_grid_of_8_million_shards(tmp: Path) -> Path:
+    def edit(body: dict) -> None:
+        body["mesh"] = [["dp", 1 << 23]]
+        body["arrays"][W].update(shape=[1 << 23, 64], shard_shape=[1, 64], inner_chunk_shape=[1, 64], spec=["dp"])
+
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, edit)
+    return path
+
+
+@attack("open", lc.FormatError, "tree structure is malformed")
+def root_malformed_tree_node(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, lambda body: body["tree"]["dict"].append(["bad", {"value": 1, "list": []}]))
+    return path
+
+
+@attack("open", lc.FormatError, "deeper than")
+def root_tree_300_deep(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    node: dict = {"value": 1}
+    for _ in range(300):
+        node = {"list": [node]}
+    edit_root(path, lambda body: body["tree"]["dict"].append(["deep", node]))
+    return path
+
+
+@attack("open", lc.FormatError, "nested too deeply")
+def root_json_nested_100000_deep(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    text = (path / "zarr.json").read_text()
+    deep = "[" * 100_000 + "]" * 100_000
+    (path / "zarr.json").write_text(text.replace('"user_metadata":{', f'"user_metadata":{{"deep":{deep},', 1))
+    return path
+
+
+@attack("open", lc.FormatError, "not valid JSON")
+def root_nan_token(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    text = (path / "zarr.json").read_text()
+    (path / "zarr.json").write_text(text.replace('"step":12', '"step":NaN'))
+    return path
+
+
+@attack("open", lc.FormatError, "is not 'model/w'")
+def root_path_leaves_the_checkpoint(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    edit_root(path, array_entry(W)(lambda a: a.update(path="../../outside")))
+    return path
+
+
+# ------------------------------------------------------- links and special files (item 7)
+
+
+@attack("open", lc.FormatError, "cannot be read safely")
+def marker_linked_to_dev_zero(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    (path / "zarr.json").unlink()
+    (path / "zarr.json").symlink_to("/dev/zero")
+    return path
+
+
+@attack("open", lc.FormatError, "cannot be read safely")
+def marker_is_a_fifo(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    (path / "zarr.json").unlink()
+    os.mkfifo(path / "zarr.json")
+    return path
+
+
+@attack("load", lc.IntegrityError, "not a regular file")
+def shard_linked_to_another_checkpoint(tmp: Path) -> Path:
+    other = craft.plain(tmp / "other")
+    path = craft.plain(tmp / "ckpt")
+    (path / "model/w/c.0.0").unlink()
+    (path / "model/w/c.0.0").symlink_to(other / "model/w/c.0.0")
+    return path
+
+
+@attack("load", lc.IntegrityError, "not a regular file")
+def shard_linked_to_etc_passwd(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    (path / "model/w/c.0.0").unlink()
+    (path / "model/w/c.0.0").symlink_to("/etc/passwd")
+    return path
+
+
+@attack("load", lc.IntegrityError, "not a regular file")
+def array_folder_linked_to_another_checkpoint(tmp: Path) -> Path:
+    other = craft.plain(tmp / "other")
+    path = craft.plain(tmp / "ckpt")
+    shutil.rmtree(path / "model/w")
+    (path / "model/w").symlink_to(other / "model/w")
+    return path
+
+
+@attack("load", lc.IntegrityError, "not a regular file")
+def shard_is_a_fifo(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    (path / "model/w/c.0.0").unlink()
+    os.mkfifo(path / "model/w/c.0.0")
+    return path
+
+
+@attack("load", lc.IntegrityError, "not a regular file")
+def shard_is_a_directory(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    (path / "model/w/c.0.0").unlink()
+    (path / "model/w/c.0.0").mkdir()
+    return path
+
+
+@attack("verify", None, "not a regular file")
+def verify_meets_a_fifo_shard(tmp: Path) -> Path:
+    return shard_is_a_fifo(tmp)
+
+
+# ---------------------------------------------------------------- decompression bombs (item 8)
+
+
+def _zstd_shard(tmp: Path, payload: bytes) -> Path:
+    """A zstd checkpoint whose first inner chunk is ``payload`` (checksums valid)."""
+    path = craft.plain(tmp / "ckpt", compression="zstd")
+    shard = path / "model/w/c.0.0"
+    payloads = craft.read_shard(shard, 4)
+    shard.write_bytes(craft.shard_bytes([payload, *payloads[1:]]))
+    return path
+
+
+@attack("load", lc.IntegrityError, "declares 1073741824 decoded bytes")
+def zstd_bomb_of_1_gib(tmp: Path) -> Path:
+    return _zstd_shard(tmp, craft.zstd_rle_frame(1 << 30, 1 << 30))
+
+
+@attack("load", lc.IntegrityError, "fails to decode")
+def zstd_bomb_with_a_lying_header(tmp: Path) -> Path:
+    # Declares the inner chunk's 16 KiB, holds 1 GiB.
+    return _zstd_shard(tmp, craft.zstd_rle_frame(1 << 30, craft.INNER_CHUNK_BYTES))
+
+
+@attack("load", lc.IntegrityError, "declares None decoded bytes")
+def zstd_frame_without_a_content_size(tmp: Path) -> Path:
+    return _zstd_shard(tmp, craft.zstd_rle_frame(1 << 30, None))
+
+
+@attack("load", lc.IntegrityError, "declares 1073741824 decoded bytes")
+def blosc_bomb_of_1_gib(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt", compression="blosc")
+    shard = path / "model/w/c.0.0"
+    payloads = craft.read_shard(shard, 4)
+    first = bytearray(payloads[0])
+    first[4:8] = (1 << 30).to_bytes(4, "little")  # the header's decoded size
+    shard.write_bytes(craft.shard_bytes([bytes(first), *payloads[1:]]))
+    return path
+
+
+@attack("verify", None, "declares 1073741824 decoded bytes")
+def verify_meets_a_zstd_bomb(tmp: Path) -> Path:
+    return zstd_bomb_of_1_gib(tmp)
+
+
+# ----------------------------------------------------------------- crafted indexes (item 10)
+
+
+def _crafted_index(tmp: Path, edit: Callable[[list[list[int]]], None]) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    shard = path / "model/w/c.0.0"
+    payloads = craft.read_shard(shard, 4)
+    size = len(payloads[0]) + 4
+    index = [[i * size, size] for i in range(4)]
+    edit(index)
+    shard.write_bytes(craft.shard_bytes(payloads, [tuple(e) for e in index]))
+    return path
+
+
+@attack("load", lc.IntegrityError, "two inner chunks overlap")
+def index_entries_overlap(tmp: Path) -> Path:
+    # Rows 16-31 would read rows 0-15's bytes, whose checksum is valid.
+    return _crafted_index(tmp, lambda index: index.__setitem__(1, list(index[0])))
+
+
+@attack("load", lc.IntegrityError, "outside the file")
+def index_entry_past_the_file(tmp: Path) -> Path:
+    return _crafted_index(tmp, lambda index: index[3].__setitem__(0, 1 << 40))
+
+
+@attack("load", lc.IntegrityError, "outside the file")
+def index_entry_into_the_index(tmp: Path) -> Path:
+    return _crafted_index(tmp, lambda index: index[3].__setitem__(0, index[3][0] + 8))
+
+
+@attack("load", lc.IntegrityError, "only one of its offset and length")
+def index_entry_half_absent(tmp: Path) -> Path:
+    return _crafted_index(tmp, lambda index: index[2].__setitem__(0, ABSENT))
+
+
+# ------------------------------------------------------- the other documents (item 12)
+
+
+@attack("verify", None, "group document model/zarr.json is not valid JSON")
+def group_document_damaged(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    (path / "model/zarr.json").write_text('{"zarr_format": 3, "node_type": "gro')
+    return path
+
+
+@attack("verify", None, "group document model/zarr.json missing")
+def group_document_missing(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    (path / "model/zarr.json").unlink()
+    return path
+
+
+@attack("verify", None, "group document model/zarr.json differs")
+def group_document_made_an_array(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    (path / "model/w/zarr.json").replace(path / "model/zarr.json")
+    (path / "model/w/zarr.json").write_bytes((path / "model/zarr.json").read_bytes())
+    return path
+
+
+@attack("verify", None, "zarr.json differs from what the format requires")
+def array_document_shape_edited(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt")
+    text = (path / "model/w/zarr.json").read_text()
+    (path / "model/w/zarr.json").write_text(text.replace('"shape": [64, 64]', '"shape": [64, 24]'))
+    return path
+
+
+@attack("load_rank_state", lc.FormatError, "not of rank 0")
+def rank_state_of_another_rank(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt", rank_state={"position": 7})
+    doc = path / ".rank_state/00000/zarr.json"
+    doc.write_text(doc.read_text().replace('"rank": 0', '"rank": 1'))
+    return path
+
+
+@attack("load_rank_state", lc.FormatError, "per-rank document is malformed")
+def rank_state_nested_100000_deep(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt", rank_state={"position": 7})
+    (path / ".rank_state/00000/zarr.json").write_text("[" * 100_000 + "]" * 100_000)
+    return path
+
+
+# ----------------------------------------------------------- shards in the wrong place (item 6)
+
+_GAP_6 = (
+    "shard checksums are the crc32c codec's, unseeded, so that plain zarr checks them: a valid "
+    "shard reads as good wherever it lies (docs/format.md section 8 says what is checked)"
+)
+
+
+@attack("load", lc.IntegrityError, "", gap=_GAP_6)
+def shards_swapped(tmp: Path) -> Path:
+    path = craft.split(tmp / "ckpt")
+    a, b = path / "w/c.0.0", path / "w/c.1.0"
+    a_bytes = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(a_bytes)
+    return path
+
+
+@attack("load", lc.IntegrityError, "", gap=_GAP_6)
+def shard_copied_from_another_checkpoint(tmp: Path) -> Path:
+    other = craft.split(tmp / "other")
+    (other / "w/c.0.0").write_bytes((other / "w/c.1.0").read_bytes())
+    path = craft.split(tmp / "ckpt")
+    shutil.copyfile(other / "w/c.0.0", path / "w/c.0.0")
+    return path

@@ -1,0 +1,70 @@
+"""Odd inputs end as a correct result or a typed error before anything is written: big-endian
+NumPy arrays are stored as their values (item 1 of issue 29), over-long names and tensors that
+cannot be stored are refused up front (item 11)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import layoutckpt as lc
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">i8", ">u2", ">f8", ">f2", "<f4"])
+def test_big_endian_numpy_arrays_keep_their_values(tmp_path, dtype):
+    x = (np.arange(12) * 3 - 7).astype(np.dtype(dtype).newbyteorder("=")).reshape(3, 4).astype(dtype)
+    lc.save(tmp_path / "c", {"x": x, "s": x[1, 2]}, lc.Layout.replicated())
+    got = lc.load(tmp_path / "c")
+    assert got["x"].dtype == np.dtype(dtype).newbyteorder("=") and np.array_equal(got["x"], x)
+    assert got["s"] == x[1, 2]
+
+
+def test_big_endian_numpy_arrays_keep_their_values_when_saved_asynchronously(tmp_path):
+    x = np.arange(5, dtype=">f4")
+    lc.save_async(tmp_path / "c", {"x": x}, lc.Layout.replicated()).result()
+    assert lc.load(tmp_path / "c")["x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_big_endian_rank_state_keeps_its_values(tmp_path):
+    lc.save(tmp_path / "c", {"x": np.zeros(1)}, lc.Layout.replicated(), rank_state={"a": np.arange(3, dtype=">i4")})
+    assert lc.open(tmp_path / "c").rank_states()[0]["a"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("key", "match"),
+    [("k" * 256, "part of 256 bytes"), ("é" * 128, "part of 256 bytes"), (".".join(["p" * 200] * 11), "2210 bytes")],
+)
+def test_overlong_names_are_refused_before_writing(tmp_path, key, match):
+    with pytest.raises(lc.InvalidNameError, match=match):
+        lc.save(tmp_path / "c", {key: np.zeros(2)}, lc.Layout.replicated())
+    assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir())
+
+
+def test_a_name_at_the_limits_is_saved(tmp_path):
+    key = ".".join(["p" * 255] * 8)  # 8 * 255 + 7 = 2047 bytes
+    lc.save(tmp_path / "c", {key: np.arange(3)}, lc.Layout.replicated())
+    assert lc.load(tmp_path / "c")[key].tolist() == [0, 1, 2]
+
+
+def _csr(t: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch calls its CSR support beta
+        warnings.simplefilter("ignore", UserWarning)
+        return t.to_sparse_csr()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "match"),
+    [
+        (lambda: torch.eye(3).to_sparse(), "sparse_coo tensor"),
+        (lambda: _csr(torch.eye(3)), "sparse_csr tensor"),
+        (lambda: torch.empty(3, 3, device="meta"), "meta device"),
+    ],
+)
+def test_tensors_without_dense_data_are_refused_with_a_typed_error(tmp_path, tensor, match):
+    with pytest.raises(TypeError, match=match) as info:
+        lc.save(tmp_path / "c", {"model": {"w": tensor()}}, lc.Layout.replicated())
+    assert "'model.w'" in str(info.value)
+    assert not (tmp_path / "c").exists()
