@@ -265,8 +265,9 @@ class CheckpointManager:
         *,
         step: int | None = None,
         **options: Any,
-    ) -> dict[str, Any]:
-        """Restore ``model`` (and ``optimizer``) from ``step`` (default: the latest); see ``lc.load_state``."""
+    ) -> Any:
+        """Restore ``model`` (and ``optimizer``) from ``step`` (default: the latest); see ``lc.load_state``,
+        whose ``LoadStateResult`` it returns."""
         from ._training import load_state
 
         return load_state(self._resolve(step), model, optimizer, layout, group=self._group, **options)

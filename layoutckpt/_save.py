@@ -12,6 +12,7 @@ caller's thread, from the live tensors. What one call was asked for travels as o
 from __future__ import annotations
 
 import collections
+import json
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ import numpy as np
 
 from . import _rankstate
 from .base import _faults
+from .base._arguments import check_save_arguments
 from .base._errors import InconsistentShardsError, SaveError
 from .base._futures import SaveFuture, swap_in_flight, wait_previous
 from .base._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
@@ -94,10 +96,12 @@ def _local_arrays(leaves: Mapping[str, Any]) -> list[_Local]:
         elif is_tensor(leaf):
             dtype = tensor_zarr_dtype(leaf, name)
             out.append(_Local(name, leaf, tuple(leaf.shape), leaf.element_size(), dtype, "torch"))
-        elif isinstance(leaf, np.ndarray):
-            out.append(_Local(name, leaf, leaf.shape, leaf.itemsize, zarr_name(leaf.dtype, name), "numpy"))
-        elif isinstance(leaf, np.generic):
-            out.append(_Local(name, np.asarray(leaf), (), leaf.itemsize, zarr_name(leaf.dtype, name), "numpy_scalar"))
+        elif isinstance(leaf, np.ndarray | np.generic):
+            # Stored bytes are little-endian: a big-endian array is converted (a copy), never
+            # written as it lies in memory.
+            data = np.asarray(leaf).astype(leaf.dtype.newbyteorder("="), copy=False)
+            kind = "numpy" if isinstance(leaf, np.ndarray) else "numpy_scalar"
+            out.append(_Local(name, data, data.shape, data.itemsize, zarr_name(data.dtype, name), kind))
     return out
 
 
@@ -107,7 +111,7 @@ def _storage_key(leaf: Any) -> Any:
     if is_dtensor(leaf):
         extra = (id(leaf.device_mesh), tuple(leaf.placements), tuple(leaf.shape))
         leaf = leaf.to_local()
-    if not is_tensor(leaf) or leaf.device.type == "meta" or leaf.numel() == 0:
+    if not is_tensor(leaf) or leaf.device.type == "meta" or str(leaf.layout) != "torch.strided" or leaf.numel() == 0:
         return None
     view = (leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, str(leaf.device))
     return (leaf.untyped_storage().data_ptr(), *view, *extra)
@@ -192,15 +196,20 @@ def save(
     (file operations, or S3/GCS requests), ``threads`` the threads that write a local
     checkpoint's shard files, and ``direct_io`` (default True) writes the large uncompressed
     shards of a local save past the page cache (``O_DIRECT``) where the file system allows it,
-    and through it where not; ``None`` takes the defaults.
+    and through it where not; ``None`` takes the defaults. ``timeout`` (seconds, default 600)
+    bounds each wait of ``save_async``'s commit for the other ranks: a rank that died or is
+    stuck is named in a ``SaveError`` on every rank still alive, within twice that (the
+    collectives of ``save`` run on the process group, under its own timeout).
 
     Returns this rank's ``SaveResult`` (path, bytes and arrays written, seconds, and
     ``.metrics`` with the time of each phase) after the checkpoint is committed on every rank.
-    Bad input raises before anything is written, on every rank: ``LayoutError`` for a spec that
+    Bad input raises before anything is written, on every rank: ``TypeError`` for arguments in
+    the wrong order (the path comes first, unlike ``torch.save``), ``LayoutError`` for a spec that
     does not fit an array, ``InconsistentShardsError`` when ranks disagree, ``InvalidNameError``
     for a name that cannot be stored. A failed write raises ``SaveError`` and commits nothing.
     The caller is blocked throughout, so the live tensors are written without a staging copy.
     """
+    check_save_arguments("save", path, state, layout, Layout)
     return start(path, state, layout, options_of(SaveOptions, options, "save", SaveKeywords), copy=False).result()
 
 
@@ -219,6 +228,7 @@ def save_async(
     first waits for the previous one, and raises its failure (as ``SaveError``) if nobody has
     seen it. Bad input raises here, before anything is written, as for ``save``.
     """
+    check_save_arguments("save_async", path, state, layout, Layout)
     return start(path, state, layout, options_of(SaveOptions, options, "save_async", SaveAsyncKeywords), copy=True)
 
 
@@ -235,12 +245,12 @@ def start(
     # 1. Local checks. An error is held until every rank has reported, so no rank hangs.
     checked = _check_locally(comm, final, state, layout, options, previous)
     # 2. Agree on the state, and plan (or reuse the plan of an earlier save of the same state).
-    planned, token = _agree_on_plan(comm, checked, options)
+    planned, token = _agree_on_plan(comm, final, checked, options)
     # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
     job, sources = _job(comm, final, layout, options, checked, planned, token, copy, t0)
     job.phases.since("plan", t0)
     items = [Staged(source) for source in sources]
-    writer_comm = comm if not copy else background_comm(comm, f"save-{token:012x}")
+    writer_comm = comm if not copy else background_comm(comm, f"save-{token:012x}", options.timeout)
     # 4. Stage and write. A synchronous save writes straight from the live tensors.
     if not copy:
         return _run_now(job, items, writer_comm)
@@ -319,9 +329,10 @@ def _shardings(
     return arrays, shardings, flats
 
 
-def _agree_on_plan(comm: Comm, checked: _Checked, options: SaveOptions) -> tuple[_Planned, int]:
-    """Check in one collective that every rank passed the same state, and plan the save unless
-    every rank holds the plan of one earlier save of it; the plan and the save's token."""
+def _agree_on_plan(comm: Comm, final: Location, checked: _Checked, options: SaveOptions) -> tuple[_Planned, int]:
+    """Check in one collective that every rank passed the same state to the same place with the
+    same options, and plan the save unless every rank holds the plan of one earlier save of it;
+    the plan and the save's token."""
     arrays, flats, mesh = checked.arrays, checked.flats, checked.mesh
     # The mesh is part of each spec: ranks that order or size the mesh axes differently would
     # place their shards at different boxes.
@@ -331,13 +342,16 @@ def _agree_on_plan(comm: Comm, checked: _Checked, options: SaveOptions) -> tuple
     what = _ToPlan(mesh, arrays, checked.shardings, flats, options.inner_chunk_bytes, options.compression)
     key = None if checked.error else what.key(comm)
     cached = _PLANS.get(key)
-    words = [*digest(agreed), sum(len(a.shape) for a in arrays)]
+    call = _call_of(final, options)
+    words = [*digest(agreed), sum(len(a.shape) for a in arrays), *digest(sorted(call.items()))]
     # Two more words ride on this collective: the save that made each rank's cached plan (-1
     # for none), and rank 0's random token, which names the temporary directory.
     token_word = new_token() if comm.rank == 0 else 0
     hi, lo = _agree(comm, checked.error, [*words, cached.token if cached else -1, token_word])
-    if hi[: len(words)] != lo[: len(words)]:
+    if hi[: len(words) - 2] != lo[: len(words) - 2]:
         raise InconsistentShardsError(_describe_disagreement(comm, signature))
+    if hi[len(words) - 2 : len(words)] != lo[len(words) - 2 : len(words)]:
+        raise InconsistentShardsError(_describe_call_disagreement(comm, call))
     token = hi[-1]
     if cached is None or hi[-2] != lo[-2]:
         cached = _plan_globally(comm, what, token)
@@ -730,12 +744,18 @@ def _commit(
 ) -> None:
     """Commit only if every rank wrote all it had to; otherwise remove the partial data."""
     _faults.point("save.agree", rank=comm.rank)
-    (failed,) = comm.all_reduce([1 if failure else 0], "max")
+    try:
+        (failed,) = comm.all_reduce([1 if failure else 0], "max")
+    except BaseException:
+        if comm.rank == 0:
+            _discard_quietly(tmp)  # a rank is missing: no rank has agreed, nothing will commit
+        raise
     if failed:
         messages = comm.all_gather_bytes(failure)
         if comm.rank == 0:
             tmp.discard()
         comm.barrier()
+        comm.finish()
         detail = "; ".join(f"rank {r}: {m.decode()}" for r, m in enumerate(messages) if m)
         raise SaveError(f"saving {final.url!r} failed, nothing was committed: {detail}")
     _faults.point("save.agreed", rank=comm.rank, staging=tmp.url, final=final.url)
@@ -747,10 +767,67 @@ def _commit(
         except Exception as err:  # noqa: BLE001 - broadcast to every rank below
             tmp.discard()
             status = f"{type(err).__name__}: {err}".encode()
-    status = comm.broadcast_bytes(status if comm.rank == 0 else None)
+    try:
+        status = comm.broadcast_bytes(status if comm.rank == 0 else None)
+    except Exception:
+        # Rank 0 knows its own outcome; another rank that cannot hear it looks at the path.
+        if comm.rank != 0 and not _committed_by_this_save(tmp, final, overwrite):
+            raise
+    comm.finish()
     if status:
         raise SaveError(f"committing {final.url!r} failed on rank 0: {status.decode()}")
     _faults.point("save.committed", rank=comm.rank, final=final.url)
+
+
+def _discard_quietly(tmp: Location) -> None:
+    try:
+        tmp.discard()
+    except Exception:  # noqa: BLE001 - a leftover the next manager start (or the next save) removes
+        pass
+
+
+def _committed_by_this_save(tmp: Location, final: Location, overwrite: bool) -> bool:
+    """Whether ``final`` holds the checkpoint this save committed, for a rank that lost rank 0
+    after the ranks agreed. Without ``overwrite`` the destination held no committed checkpoint
+    when the save began, so one there now is this save's; a local save's staging directory is
+    then gone (renamed into place). With ``overwrite`` the old checkpoint may still be there."""
+    try:
+        return not overwrite and final.committed() and not (final.is_local and tmp.exists())
+    except Exception:  # noqa: BLE001 - unknowable here: the broadcast's error stands
+        return False
+
+
+def _call_of(final: Location, options: SaveOptions) -> dict[str, Any]:
+    """What every rank must pass alike besides the state: the destination, the step, the
+    metadata (only rank 0's is stored) and how arrays are stored (each rank writes part of it)."""
+    try:
+        metadata = json.dumps(options.metadata, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):
+        metadata = repr(options.metadata)  # refused by the local checks on this rank
+    return {
+        "path": final.url,
+        "step": options.step,
+        "metadata": metadata,
+        "overwrite": options.overwrite,
+        "inner_chunk_bytes": options.inner_chunk_bytes,
+        "compression": options.compression,
+    }
+
+
+def _describe_call_disagreement(comm: Comm, call: dict[str, Any]) -> str:
+    """Which rank passed which path, step, metadata or storage option unlike rank 0."""
+    everyone = [json.loads(raw) for raw in comm.all_gather_bytes(json.dumps(call).encode())]
+    parts = []
+    for r, other in enumerate(everyone[1:], start=1):
+        for field, value in other.items():
+            if value != everyone[0][field] and len(parts) < 3:
+                parts.append(f"{field} {everyone[0][field]!r} on rank 0 but {value!r} on rank {r}")
+    return (
+        "ranks disagree about where or how to save, and nothing was written: "
+        + "; ".join(parts)
+        + "; every rank must pass the same path, step, metadata, overwrite, inner_chunk_bytes and compression "
+        "(per-rank values go in rank_state=)"
+    )
 
 
 def _describe_disagreement(comm: Comm, signature: list[Any]) -> str:

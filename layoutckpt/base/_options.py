@@ -73,6 +73,15 @@ class IOConfig:
 
 DEFAULT_IO = IOConfig()
 
+# Ten minutes, NCCL's default collective timeout: a dead rank is reported in minutes, and ranks
+# whose writes finish minutes apart still commit.
+DEFAULT_SAVE_TIMEOUT = 600.0
+
+
+def _positive_seconds(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{attribute.name}= must be a positive number of seconds, got {value!r}")
+
 
 def io_config(io: IOConfig | None) -> IOConfig:
     """``io``, or the defaults; anything else is a ``TypeError`` that says what to pass."""
@@ -98,6 +107,10 @@ class SaveOptions:
     lazy: bool = False
     host_memory_budget: int | None = None
     io: IOConfig = attrs.field(default=DEFAULT_IO, converter=io_config)
+    # How long a rank waits for the others at each agreement of a save's commit. A per-call
+    # choice about peers, not about moving bytes (so not IOConfig): a job sets it from how far
+    # apart its ranks may finish writing, and a final save before exit may want it longer.
+    timeout: float = attrs.field(default=DEFAULT_SAVE_TIMEOUT, validator=_positive_seconds)
 
 
 @attrs.frozen(kw_only=True)
@@ -123,6 +136,7 @@ class SaveKeywords(TypedDict, total=False):
     inner_chunk_bytes: int
     compression: str | None
     io: IOConfig | None
+    timeout: float
 
 
 class SaveAsyncKeywords(SaveKeywords, total=False):

@@ -8,6 +8,7 @@ its tensors (``_let_go``), so a process may end right after one.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from ..base._errors import WorldSizeError
+from ..base._errors import SaveError, WorldSizeError
 from ..layout._spec import Mesh
 from ._torch import dist, distributed, torch
 
@@ -24,6 +25,9 @@ from ._torch import dist, distributed, torch
 # finished work at once, or a few milliseconds later on busy cores, and a collective must not
 # hang on a torch whose gloo keeps its works longer.
 LET_GO_SECONDS = 2.0
+
+# The first byte of a published exchange: the combined data follows, or a failure naming a rank.
+_DONE, _FAILED = b"+", b"!"
 
 
 @attrs.frozen
@@ -97,6 +101,9 @@ class Comm:
         if self.world > 1:
             self.all_reduce([0], "max")
 
+    def finish(self) -> None:
+        """Nothing to do: a collective returns on every rank only once all took part."""
+
     def exchange(
         self, sends: Sequence[tuple[int, int, torch.Tensor]], recvs: Sequence[tuple[int, int, torch.Tensor]]
     ) -> None:
@@ -158,13 +165,20 @@ class StoreComm:
     ``init_process_group`` made serves every group, is safe from any thread, and keys under the
     save's unique temporary name keep concurrent saves of different groups apart. Each step is
     gather-to-rank-0 and publish: O(ranks) store operations, not O(ranks squared).
+
+    Every wait has a deadline. Rank 0 waits ``timeout`` seconds for the others, then publishes
+    a failure naming the ranks that did not report, so every rank still alive raises the same
+    error; the others wait twice as long for rank 0, whose verdict on a missing peer thus comes
+    first. ``finish`` holds rank 0 until every rank has read the last exchange: rank 0 may host
+    the store (``env://``), and a process that ends takes the store with it.
     """
 
-    def __init__(self, store: Any, prefix: str, rank: int, world: int) -> None:
+    def __init__(self, store: Any, prefix: str, rank: int, world: int, timeout: float) -> None:
         self.store = store
         self.prefix = prefix
         self.rank = rank
         self.world = world
+        self.timeout = timeout
         self._step = 0
 
     def _exchange(self, data: bytes, combine: Any) -> bytes:
@@ -172,14 +186,56 @@ class StoreComm:
         key = f"{self.prefix}/{self._step}"
         if self.rank != 0:
             self.store.set(f"{key}/{self.rank}", data)
-            return bytes(self.store.get(f"{key}/all"))
+            return self._published(f"{key}/all")
+        peers = {f"{key}/{r}": r for r in range(1, self.world)}
+        try:
+            self._wait(list(peers), self.timeout, "")
+        except SaveError as err:
+            try:  # every rank still alive learns who is missing, at once
+                self.store.set(f"{key}/all", _FAILED + str(err).encode())
+            except Exception:  # noqa: BLE001 - the error names the missing rank either way
+                pass
+            raise
         parts = [data]
-        for r in range(1, self.world):
-            parts.append(bytes(self.store.get(f"{key}/{r}")))
-            self.store.delete_key(f"{key}/{r}")
+        for k in peers:
+            parts.append(bytes(self.store.get(k)))
+            self.store.delete_key(k)
         out = combine(parts)
-        self.store.set(f"{key}/all", out)
+        self.store.set(f"{key}/all", _DONE + out)
         return out
+
+    def _published(self, key: str) -> bytes:
+        """What rank 0 published under ``key``; its failure raised."""
+        self._wait([key], 2 * self.timeout, "rank 0")
+        out = bytes(self.store.get(key))
+        if out[:1] == _FAILED:
+            raise SaveError(out[1:].decode())
+        return out[1:]
+
+    def _wait(self, keys: list[str], seconds: float, whom: str) -> None:
+        """Until every key of ``keys`` is set; ``SaveError`` naming the ranks missing after
+        ``seconds`` (``whom``, or the ranks whose keys are absent), or an unreachable store."""
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=seconds))
+            return
+        except Exception as err:  # noqa: BLE001 - a timeout and a lost store look alike here
+            cause = err
+        try:
+            missing = [k for k in keys if not self.store.check([k])]
+        except Exception as err:  # noqa: BLE001 - the store itself is gone
+            raise SaveError(
+                f"rank {self.rank} lost the job's key-value store while waiting for {whom or 'the other ranks'} "
+                f"({type(err).__name__}: {err}); the store's host (rank 0 under env://) has ended or crashed, "
+                "so this rank cannot learn the outcome of the save"
+            ) from cause
+        if not missing:
+            return
+        names = whom or "rank " + ", ".join(k.rsplit("/", 1)[1] for k in missing)
+        raise SaveError(
+            f"rank {self.rank} waited {seconds:g} s for {names} to report during the commit of a "
+            f"save_async, in vain: {names} has died or is stuck. "
+            "Pass a larger timeout= if a rank may legitimately take longer to write its shards"
+        ) from cause
 
     def all_reduce(self, values: Sequence[int], op: str) -> list[int]:
         reduce = {"sum": sum, "max": max}[op]
@@ -197,18 +253,39 @@ class StoreComm:
         return [bytes.fromhex(h) for h in json.loads(self._exchange(data, combine))]
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
-        return self._exchange(data or b"", lambda parts: parts[0])
+        """Rank 0's ``data`` on every rank; rank 0 waits for nobody here (``finish`` waits)."""
+        self._step += 1
+        key = f"{self.prefix}/{self._step}/all"
+        if self.rank != 0:
+            return self._published(key)
+        self.store.set(key, _DONE + (data or b""))
+        return data or b""
 
     def barrier(self) -> None:
         self._exchange(b"", lambda parts: b"")
 
+    def finish(self) -> None:
+        """After the last exchange of a save: rank 0 returns once every rank has read it, then
+        deletes the save's keys; a rank gone by then changes nothing (the outcome is decided)."""
+        acks = [f"{self.prefix}/ack/{r}" for r in range(1, self.world)]
+        try:
+            if self.rank != 0:
+                self.store.set(f"{self.prefix}/ack/{self.rank}", b"")
+                return
+            self.store.wait(acks, datetime.timedelta(seconds=self.timeout))
+            for k in [*acks, *(f"{self.prefix}/{s}/all" for s in range(1, self._step + 1))]:
+                self.store.delete_key(k)
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
 
-def background_comm(comm: Comm, key: str) -> Comm | StoreComm:
-    """Collectives for the commit of the save named ``key``, safe on a background thread."""
+
+def background_comm(comm: Comm, key: str, timeout: float) -> Comm | StoreComm:
+    """Collectives for the commit of the save named ``key``, safe on a background thread; each
+    wait for another rank ends after ``timeout`` seconds (see ``StoreComm``)."""
     if comm.world == 1:
         return comm
     store = dist.distributed_c10d._get_default_store()
-    return StoreComm(store, f"layoutckpt/{key}", comm.rank, comm.world)
+    return StoreComm(store, f"layoutckpt/{key}", comm.rank, comm.world, timeout)
 
 
 def check_mesh(mesh: Mesh, comm: Comm) -> None:

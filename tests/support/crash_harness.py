@@ -35,6 +35,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -231,13 +232,14 @@ class JobResult:
     kill_time: float | None = None
     torn_down: list[int] = field(default_factory=list)  # ranks killed because a peer had died
     timed_out: bool = False
+    failures: list[str] = field(default_factory=list)  # per rank: the error it printed (FAILED), or ""
 
     def committed_on(self, rank: int) -> bool:
         return "COMMITTED" in self.events[rank]
 
     def progress(self, rank: int, before: float | None = None) -> str:
         """The furthest event ``rank`` had printed (by ``before``, default: ever)."""
-        seen = [e for e, t in self.events[rank].items() if before is None or t <= before]
+        seen = [e for e, t in self.events[rank].items() if e in ORDER and (before is None or t <= before)]
         return max(seen, key=ORDER.index, default="START")
 
     def save_seconds(self) -> float:
@@ -286,18 +288,28 @@ def run_job(
     random_kill: RandomKill | None = None,
     grace: float = 0.5,
     timeout: float = 120.0,
+    save_timeout: float | None = None,
+    busy: list[float] | None = None,
+    tcp: bool = False,
 ) -> JobResult:
-    """Run one job to its end: completion, or a kill followed by the teardown of its other ranks."""
+    """Run one job to its end: completion, or a kill followed by the teardown of its other ranks.
+
+    ``save_timeout`` is the workers' ``timeout=``; ``busy`` the seconds each rank's main thread
+    spins before waiting for its save; ``tcp`` a ``tcp://`` rendezvous, whose store lives in
+    rank 0's process (as under torchrun), instead of a file."""
     workdir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
-    init = workdir / f"init-{tag}"
+    init = f"tcp://127.0.0.1:{free_port()}" if tcp else str(workdir / f"init-{tag}")
     outs = [workdir / f"{tag}-rank{r}.out" for r in range(world)]
     errs = [workdir / f"{tag}-rank{r}.err" for r in range(world)]
-    argv_common = ["--world", str(world), "--init", str(init), "--root", str(root), "--step", str(step)]
+    argv_common = ["--world", str(world), "--init", init, "--root", str(root), "--step", str(step)]
     argv_common += ["--mb", str(mb)]
     if kill_at is not None:
         argv_common += ["--kill-at", kill_at, "--kill-rank", str(kill_rank)]
-    procs = [launcher.spawn(["--rank", str(r), *argv_common], outs[r], errs[r]) for r in range(world)]
+    if save_timeout is not None:
+        argv_common += ["--timeout", str(save_timeout)]
+    argvs = [["--rank", str(r), *argv_common, "--busy", str(busy[r] if busy else 0.0)] for r in range(world)]
+    procs = [launcher.spawn(argvs[r], outs[r], errs[r]) for r in range(world)]
 
     def events(rank: int) -> dict[str, float]:
         try:
@@ -344,7 +356,23 @@ def run_job(
     result.returncodes = [p.poll() for p in procs]
     result.events = [events(r) for r in range(world)]
     result.stderr = [e.read_text(errors="replace") if e.exists() else "" for e in errs]
+    result.failures = [_failure(out) for out in outs]
     return result
+
+
+def _failure(out: Path) -> str:
+    """The error a worker printed on its ``FAILED`` line, or ""."""
+    text = out.read_text(errors="replace") if out.exists() else ""
+    for line in text.splitlines():
+        if line.startswith("FAILED "):
+            return line[len("FAILED ") :].rpartition(" @")[0]
+    return ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # --- the state on disk -------------------------------------------------------------------------

@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", choices=PHASES)
     ap.add_argument("--kill-rank", type=int, default=0)
     ap.add_argument("--mb", type=float, default=20.0, help="size of the full state in MiB")
+    ap.add_argument("--timeout", type=float, help="the manager's timeout= for its saves, in seconds")
+    ap.add_argument("--busy", type=float, default=0.0, help="seconds the main thread spins before mgr.wait()")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -279,10 +281,24 @@ def main(argv: list[str] | None = None) -> int:
     import layoutckpt as lc
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=args.world)
+    # A tcp:// rendezvous puts the store in rank 0's process, as torchrun's env:// does.
+    init = args.init if args.init.startswith("tcp://") else f"file://{args.init}"
+    dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world)
     install_hooks(args.rank, args.kill_at, args.kill_rank)
+    try:
+        _save_one_step(args, lc)
+    except Exception as err:
+        event("FAILED", repr(f"{type(err).__name__}: {err}"))
+        raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No process-group teardown: a peer may already be gone, and nothing is left to agree on.
+    os._exit(0)
 
-    mgr = lc.CheckpointManager(args.root, keep_last=KEEP_LAST)
+
+def _save_one_step(args: argparse.Namespace, lc: Any) -> None:
+    options = {} if args.timeout is None else {"timeout": args.timeout}
+    mgr = lc.CheckpointManager(args.root, keep_last=KEEP_LAST, **options)
     state = build_state(args.step, args.world, args.rank, args.mb)
     layout = layout_for(args.world)
     event("SAVING", args.step)
@@ -294,13 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         rank_state={"rank": args.rank, "step": args.step},
     )
     event("STAGED", args.step)
+    # A training loop's main thread keeps the GIL busy while the commit runs in the background.
+    spin_until = time.monotonic() + args.busy
+    while time.monotonic() < spin_until:
+        pass
     mgr.wait()
     event("COMMITTED", args.step)
     mgr.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # No process-group teardown: a peer may already be gone, and nothing is left to agree on.
-    os._exit(0)
 
 
 def _child(request: dict[str, Any]) -> None:
