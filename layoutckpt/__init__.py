@@ -3,6 +3,7 @@
 This module is a contents page; the implementation lives in the private modules.
 """
 
+from ._dcp import import_dcp as import_dcp
 from ._load import load as load
 from ._load import load_async as load_async
 from ._load import load_rank_state as load_rank_state
@@ -15,6 +16,7 @@ from ._safetensors import import_safetensors as import_safetensors
 from ._save import SaveResult as SaveResult
 from ._save import save as save
 from ._save import save_async as save_async
+from ._training import LoadStateResult as LoadStateResult
 from ._training import get_state as get_state
 from ._training import load_state as load_state
 from ._training import set_state as set_state

@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 
 from . import _rankstate
+from .base._arguments import check_load_arguments
 from .base._errors import TemplateMismatchError
 from .base._futures import LoadFuture
 from .base._metrics import LOAD_PHASES, Metrics, Phases, report
@@ -76,10 +77,12 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
     ``torch.distributed`` process group whose ranks load together (default: the default group,
     or a world of one). ``io`` (an ``lc.IOConfig``) tunes how bytes are read.
 
-    A missing checkpoint raises ``CheckpointNotFoundError``, a layout that does not fit an
-    array ``LayoutError`` (both before any byte is read), and a damaged chunk
-    ``IntegrityError`` naming its array.
+    A path or layout of the wrong kind (a template passed as ``layout``) raises ``TypeError``,
+    a missing checkpoint ``CheckpointNotFoundError``, a layout that does not fit an array
+    ``LayoutError`` (all before any byte is read), and a damaged chunk ``IntegrityError``
+    naming its array.
     """
+    check_load_arguments("load", path, layout, Layout)
     return _start(path, layout, options_of(LoadOptions, options, "load", LoadKeywords)).result()
 
 
@@ -93,6 +96,7 @@ def load_async(
     bytes and requests. Bad input (a template or layout that does not fit) raises here, before
     any byte is read.
     """
+    check_load_arguments("load_async", path, layout, Layout)
     return _start(path, layout, options_of(LoadOptions, options, "load_async", LoadKeywords))
 
 

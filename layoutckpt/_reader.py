@@ -28,8 +28,8 @@ from .layout._tree import decode_value, leaf_nodes
 from .storage import _store
 from .storage._location import locate
 from .storage._readers import BoxReader
-from .torch._tensors import to_numpy
-from .torch._torch import is_tensor
+from .torch._tensors import from_numpy, to_numpy
+from .torch._torch import installed, is_tensor
 
 
 @attrs.frozen
@@ -210,6 +210,32 @@ class Reader:
             return value
         np.copyto(_out_array(out, name, value.shape, dtype), value)
         return out
+
+    def read_torch(self, name: str, index: Any = None, *, out: Any = None) -> Any:
+        """The array ``name`` (or ``index`` of it) as a CPU ``torch.Tensor`` of the stored dtype.
+
+        Reads as ``read`` does, then hands the NumPy result to torch without copying it, for
+        every stored dtype: bfloat16 and float8, which ``torch.from_numpy`` refuses, travel as a
+        same-width integer view and are reinterpreted (only an index with a negative step, whose
+        strides torch cannot take, costs one copy). ``out``, a CPU tensor, receives the result and
+        is returned. A separate method, not a flag of ``read``, so that each has one return type.
+        Needs PyTorch (``ImportError`` without it; ``read`` needs NumPy only).
+        """
+        if not installed():
+            raise ImportError(
+                f"Reader.read_torch({name!r}) needs PyTorch, which is not installed; install torch, "
+                "or use Reader.read, which gives NumPy arrays"
+            )
+        if name in self._values:
+            raise TypeError(f"{name!r} is a JSON value, not an array; Reader.read({name!r}) gives its value")
+        if out is not None:
+            if not is_tensor(out):
+                raise TypeError(f"out= of read_torch({name!r}) is a {type(out).__name__}; pass a CPU tensor")
+            return self.read(name, index, out=out)
+        data = np.asarray(self.read(name, index))  # an integer index gives a NumPy scalar
+        if any(stride < 0 for stride in data.strides):
+            data = np.ascontiguousarray(data)
+        return from_numpy(data, self._array(name).dtype)
 
     def read_many(self, items: Iterable[str | tuple[str, Any]]) -> list[np.ndarray]:
         """Several arrays (names, or ``(name, index)`` pairs) read with all their reads in flight

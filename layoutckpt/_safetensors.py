@@ -161,8 +161,9 @@ def export_safetensors(
     """Write the arrays of the checkpoint at ``path`` to ``out_dir`` as Hugging Face does:
     ``{prefix}-00001-of-0000N.safetensors`` files of at most ``max_shard_bytes`` of tensors
     each (a larger tensor gets a file of its own), and ``{prefix}.safetensors.index.json``
-    (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``). Returns the paths
-    written, the index last.
+    (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``); tensors that fit in
+    one file go to ``{prefix}.safetensors`` alone, with no index, as ``save_pretrained`` writes
+    them. Returns the paths written, the index last.
 
     Tensors are named by their global names (``model.layers.0.attn.q_proj.weight``), or by
     ``rename(name)``. ``select=`` picks arrays as in ``load`` (a regex, names, or a predicate).
@@ -184,10 +185,13 @@ def export_safetensors(
         out.mkdir(parents=True, exist_ok=True)
         written, weight_map = [], {}
         for i, group in enumerate(files, 1):
-            file = out / f"{prefix}-{i:05d}-of-{len(files):05d}.safetensors"
+            name = f"{prefix}.safetensors" if len(files) == 1 else f"{prefix}-{i:05d}-of-{len(files):05d}.safetensors"
+            file = out / name
             write_file_atomically(file, lambda f, group=group: _write_file(rd, f, group))
             written.append(os.fspath(file))
             weight_map.update((a.out, file.name) for a in group)
+    if len(files) == 1:
+        return written
     index = {"metadata": {"total_size": sum(a.nbytes for a in arrays)}, "weight_map": dict(sorted(weight_map.items()))}
     file = out / f"{prefix}.safetensors.index.json"
     write_file_atomically(file, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()))

@@ -29,7 +29,16 @@ class TemplateMismatchError(ValueError):
 
 
 class CheckpointNotFoundError(FileNotFoundError):
-    """No committed checkpoint exists at the given path."""
+    """No committed checkpoint exists at the given path.
+
+    Raised as ``CheckpointNotFoundError(errno.ENOENT, message, path)``, so ``errno`` and
+    ``filename`` are set as for any missing file, but it prints as the message alone: the
+    message names the path already, and ``OSError``'s own form would add ``[Errno 2]`` and the
+    path a second time.
+    """
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror is not None else super().__str__()
 
 
 class CheckpointExistsError(FileExistsError):

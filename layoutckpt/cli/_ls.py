@@ -13,7 +13,7 @@ from ..base._errors import CheckpointNotFoundError
 from ..format._dtypes import numpy_dtype
 from ..format._format import ArrayMeta, CheckpointMeta
 from ..layout._spec import Mesh
-from ..layout._tree import decode_value
+from ..layout._tree import decode_value, leaf_nodes
 from ._common import NotFound
 from ._root import ls_root, root_doc
 from ._text import human, json_safe, plural, print_json, table
@@ -25,9 +25,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     except CheckpointNotFoundError as err:
         doc = root_doc(args.path)
         if doc is None:
-            raise NotFound(
-                f"{err.strerror}, nor a CheckpointManager root with step_* folders; check the path"
-            ) from None
+            raise NotFound(f"{err}; nor is it a CheckpointManager root (no step_* folders)") from None
         return ls_root(doc, args)
     with rd:
         return ls_checkpoint(rd, args)
@@ -68,8 +66,8 @@ def checkpoint_doc(rd: Reader) -> dict[str, Any]:
     }
 
 
-def tree_rows(meta: CheckpointMeta, flat: bool) -> list[list[str]]:
-    """One row per node of the saved tree (or per leaf, with ``flat``): label and details."""
+def tree_rows(meta: CheckpointMeta) -> list[list[str]]:
+    """One row per node of the saved tree: label (indented by depth) and details."""
     rows: list[list[str]] = []
 
     def leaf(label: str, name: str, node: Any) -> None:
@@ -89,11 +87,11 @@ def tree_rows(meta: CheckpointMeta, flat: bool) -> list[list[str]]:
     def walk(node: Any, name: str, depth: int, key: str) -> None:
         children = node.get("dict") or [[i, c] for i, c in enumerate(node.get("list", node.get("tuple", [])))]
         is_container = any(k in node for k in ("dict", "list", "tuple"))
-        label = name if flat else "  " * depth + key
+        label = "  " * depth + key
         if not is_container:
             leaf(label, name, node)
             return
-        if not flat and depth >= 0:
+        if depth >= 0:
             rows.append([label + ("" if children else "  (empty)")])
         for k, child in children:
             walk(child, f"{name}.{k}" if name else str(k), depth + 1, str(k))
@@ -107,6 +105,11 @@ def ls_checkpoint(rd: Reader, args: argparse.Namespace) -> int:
         print_json(checkpoint_doc(rd))
         return 0
     meta = rd.meta
+    if args.flat:
+        # Names alone, one a line, for grep, wc and shell loops.
+        for name, _ in leaf_nodes(meta.tree):
+            print(name)
+        return 0
     doc = checkpoint_doc(rd)
     step = "no step" if meta.step is None else f"step {meta.step}"
     version = f"format v{meta.format_version}" + (
@@ -114,11 +117,12 @@ def ls_checkpoint(rd: Reader, args: argparse.Namespace) -> int:
     )
     print(f"{rd.path}: {step}, {plural(len(meta.arrays), 'array')} ({human(doc['nbytes'])}), {version}")
     print(f"saved on {meta.mesh!r}" + (" by the rules:" if meta.rules else ""))
-    for line in table([[f"  {pattern!r}", "->", repr(spec)] for pattern, spec in meta.rules] or [[""]]):
+    # A rule's pattern as it was written (a repr would double every backslash).
+    for line in table([[f"  {pattern}", "->", repr(spec)] for pattern, spec in meta.rules] or [[""]]):
         if line:
             print(line)
     print()
-    rows = tree_rows(meta, args.flat)
+    rows = tree_rows(meta)
     for line in table(rows) if rows else []:
         print(line)
     if meta.user_metadata:

@@ -4,7 +4,8 @@
     layoutckpt read PATH NAME [--slice 0:8,:]  one tensor, a slice of it, or a value
     layoutckpt verify PATH                     every checksum, every shard present; exit 1 if not
     layoutckpt plan PATH --spec F --mesh dp=2  what a load under another layout would read
-    layoutckpt export PATH --to safetensors D  Hugging Face files
+    layoutckpt export PATH DIR                 Hugging Face safetensors files (--to safetensors)
+    layoutckpt import SRC DST [--from dcp]     a checkpoint from safetensors files or a DCP folder
     layoutckpt gc ROOT --keep-last N           a CheckpointManager's retention, from outside
 
 It needs NumPy and TensorStore only, never torch, so it runs wherever a checkpoint can be
@@ -36,6 +37,8 @@ from ..base._errors import (
 from ..base._version import __version__
 from ._common import PROG, NotFound, UsageError
 from ._export import cmd_export, parse_size
+from ._import import add_arguments as import_arguments
+from ._import import cmd_import
 from ._ls import cmd_ls
 from ._plan import cmd_plan
 from ._read import cmd_read
@@ -91,11 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("export", cmd_export, "write the arrays as Hugging Face safetensors files", bars)
     p.add_argument("path")
-    p.add_argument("--to", choices=["safetensors"], required=True, help="the output format")
+    p.add_argument(
+        "--to", choices=["safetensors"], default="safetensors", help="the output format (default: safetensors, the one)"
+    )
     p.add_argument("out", help="the folder to write (best empty)")
     p.add_argument("--select", help="only the arrays this regex finds")
     p.add_argument("--max-shard-bytes", type=parse_size, default=5 * 2**30, help="per file, e.g. 5GB (default 5 GiB)")
     p.add_argument("--prefix", default="model", help="file name stem (default: model)")
+
+    import_arguments(command("import", cmd_import, "write a checkpoint from safetensors files or a PyTorch DCP folder"))
 
     p = command("gc", cmd_gc, "apply retention to a CheckpointManager root: leftovers and old steps go")
     p.add_argument("root")

@@ -8,7 +8,8 @@ import argparse
 import os
 from typing import Any
 
-from ._common import NotFound
+from ..storage._store import is_committed
+from ._common import NotFound, UsageError
 from ._text import human, print_json, table
 
 
@@ -84,6 +85,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .._manager import collect_garbage, leftovers, step_dir, steps_after_cleanup
 
     root = args.root
+    if is_committed(root):
+        # Retention deletes step_* folders beside each other; inside one checkpoint it has none.
+        parent = root.rstrip("/").rpartition("/")[0] or "."
+        raise UsageError(
+            f"{root!r} is a checkpoint, not a CheckpointManager root; gc takes the folder that holds "
+            f"the step_* folders (perhaps {parent!r})"
+        )
     junk: list[tuple[str, str]] = []
     if is_local(root):
         root = root.removeprefix("file://")

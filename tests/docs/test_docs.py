@@ -1,11 +1,14 @@
 """Docs that run: every code block in ``docs/`` executes, and the site builds with ``--strict``.
 
-Each page runs as a reader would follow it: its ```` ```python ```` and ```` ```bash ```` blocks in
-document order, in one fresh temporary directory (the working directory), the python blocks
-sharing one namespace, the bash blocks run by ``bash -e`` with this interpreter's ``bin`` first
-on ``PATH`` (so ``python`` and the ``layoutckpt`` command are the installed ones). A page may rely
-only on what its own earlier blocks made. ```` ```json ```` blocks must parse; any other fence
-(``text``, ``toml``, ``console``) is illustration and does not run.
+Each page runs as a reader would follow it: its ```` ```python ````, ```` ```bash ```` and
+```` ```console ```` blocks in document order, in one fresh temporary directory (the working
+directory), the python blocks sharing one namespace, the bash blocks run by ``bash -e`` with this
+interpreter's ``bin`` first on ``PATH`` (so ``python`` and the ``layoutckpt`` command are the
+installed ones). A console block is a transcript: each ``$ command`` line runs there too, and
+what it prints (stdout and stderr together, as a terminal shows them) must be the lines that
+follow it, but for trailing spaces. A page may rely only on what its own earlier blocks made.
+```` ```json ```` blocks must parse; any other fence (``text``, ``toml``) is illustration and
+does not run.
 
 A page whose text mentions ``s3://`` runs with a real S3 server on loopback (moto) holding the
 bucket ``my-bucket``, configured through the ``AWS_*`` variables a user would set.
@@ -17,6 +20,7 @@ be selected on its own with ``-k``; when an earlier block failed, the later ones
 
 from __future__ import annotations
 
+import difflib
 import gc
 import html
 import json
@@ -37,7 +41,7 @@ from tests.support.paths import REPO as ROOT
 from tests.support.s3server import S3Server
 
 DOCS = ROOT / "docs"
-RUNNABLE = ("python", "bash")
+RUNNABLE = ("python", "bash", "console")
 # A fence opens at any indentation (inside a list item, say) and closes at the same one.
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 BASH_TIMEOUT = 180
@@ -142,12 +146,10 @@ def _run_python(block: Block, run: PageRun) -> None:
 
 
 def _run_bash(block: Block, run: PageRun) -> None:
-    bin_dir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.run(
         ["bash", "-e", "-c", block.code],
         cwd=run.directory,
-        env=env,
+        env=_shell_env(),
         capture_output=True,
         text=True,
         timeout=BASH_TIMEOUT,
@@ -160,6 +162,49 @@ def _run_bash(block: Block, run: PageRun) -> None:
             f"--- stdout\n{proc.stdout}--- stderr\n{proc.stderr}",
             pytrace=False,
         )
+
+
+def _shell_env() -> dict[str, str]:
+    bin_dir = os.path.dirname(sys.executable)
+    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def transcript(block: Block) -> list[tuple[str, list[str]]]:
+    """(command, the lines it prints) of each ``$ `` line of a console block."""
+    steps: list[tuple[str, list[str]]] = []
+    for line in block.code.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        elif not steps:
+            pytest.fail(f"docs/{block.page}, console block at line {block.line}: starts without a `$ ` line")
+        else:
+            steps[-1][1].append(line.rstrip())
+    return steps
+
+
+def _run_console(block: Block, run: PageRun) -> None:
+    # Unbuffered, so that stdout and stderr interleave as on a terminal.
+    env = {**_shell_env(), "PYTHONUNBUFFERED": "1"}
+    for command, expected in transcript(block):
+        proc = subprocess.run(
+            ["bash", "-c", command],
+            cwd=run.directory,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=BASH_TIMEOUT,
+            check=False,
+        )
+        got = [line.rstrip() for line in proc.stdout.rstrip("\n").splitlines()]
+        if got != expected:
+            diff = "\n".join(difflib.unified_diff(expected, got, "docs", "printed", lineterm=""))
+            pytest.fail(
+                f"docs/{block.page}, console block at line {block.line}: `{command}` prints\n{diff}", pytrace=False
+            )
+
+
+RUNNERS = {"python": _run_python, "bash": _run_bash, "console": _run_console}
 
 
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
@@ -176,7 +221,7 @@ def test_block_runs(block: Block, page_runs: dict[str, PageRun], tmp_path_factor
     # Run what the page has not run yet, up to this block (all of it when selected alone with -k).
     for earlier in [b for b in RUN_BLOCKS if b.page == block.page][run.done : block.index + 1]:
         try:
-            (_run_python if earlier.lang == "python" else _run_bash)(earlier, run)
+            RUNNERS[earlier.lang](earlier, run)
         except BaseException:
             run.failed = f"block {earlier.index} at line {earlier.line}"
             raise
@@ -195,6 +240,7 @@ def test_blocks_are_found():
     assert len(RUN_BLOCKS) >= 10
     assert {"index.md", "concepts.md", "howto/resume.md", "howto/partial-reads.md"} <= {b.page for b in RUN_BLOCKS}
     assert any(b.lang == "bash" for b in RUN_BLOCKS)
+    assert sum(b.lang == "console" for b in RUN_BLOCKS) >= 5
     nested = blocks_in("- item\n\n    ```python\n    x = 1\n    ```\n\n```text\ny\n```\n", "t.md", RUNNABLE)
     assert [(b.lang, b.code, b.line) for b in nested] == [("python", "x = 1\n", 4)]
 
@@ -220,10 +266,21 @@ def test_mkdocs_builds_strict_with_the_api_reference(tmp_path):
     expected = [f"layoutckpt.{n}" for n in _public_api()] + ["layoutckpt.jax.load", "layoutckpt.jax.load_array"]
     missing = [n for n in expected if f'id="{n}"' not in api]
     assert not missing, f"docs/api.md lacks entries for {missing}"
-    assert "Save this rank's shards of state under layout" in re.sub(r"<[^>]+>", "", api)
+    text = html.unescape(re.sub(r"<[^>]+>", "", (site / "api" / "index.html").read_text()))
+    assert "Save this rank's shards of state under layout" in text
     assert "Open a committed checkpoint for lazy reading in a single process." in api
-    # Doctests in docstrings render as code, with the regex's backslashes intact.
-    assert '>>> layout = Layout(Mesh({"tp": 2}), [(r"\\.q_proj\\.weight$"' in api
+    # Doctests in docstrings render as code (highlighted: tags between the tokens), with the
+    # regex's backslashes intact.
+    assert '>>> layout = Layout(Mesh({"tp": 2}), [(r"\\.q_proj\\.weight$"' in text
+    assert '<span class="gp">&gt;&gt;&gt; </span>' in (site / "api" / "index.html").read_text()
+    # Code is highlighted at build time, and no page loads a script or stylesheet from elsewhere:
+    # the site reads the same offline.
+    index = (site / "index.html").read_text()
+    assert '<span class="kn">import</span>' in index and "assets/pygments.css" in index
+    assert '<span class="gp">$ </span>' in (site / "howto" / "cli" / "index.html").read_text()
+    remote = re.compile(r'<(?:script|link|img)\b[^>]*\b(?:src|href)="(?:https?:)?//[^"]*"')
+    fetched = {m for page in site.glob("**/*.html") for m in remote.findall(page.read_text())}
+    assert not fetched, f"the site loads from the network: {sorted(fetched)[:5]}"
     # Every page is built (none silently left out of the site).
     built = {p.relative_to(DOCS).with_suffix("").as_posix() for p in pages()}
     for name in built:

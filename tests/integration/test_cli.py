@@ -140,8 +140,18 @@ def test_ls_text_shows_the_tree(capsys, small):
     assert any("-> model.embed.weight (tied" in line for line in lines)
     assert any(line.split() == ["lr", "=", '"nan"'] for line in lines)
     assert 'metadata: {"run": "demo", "n": [1, 2]}' in out
-    flat = run(capsys, "ls", path, "--flat")[1]
-    assert any(line.startswith("model.norm ") and "bfloat16" in line for line in flat.splitlines())
+    # --flat: the global names alone, one a line (arrays, tied names and values), for grep.
+    code, flat, _ = run(capsys, "ls", path, "--flat")
+    assert code == 0
+    assert flat.splitlines() == ["model.embed.weight", "model.head.weight", "model.norm", "opt.m", "step", "name", "lr"]
+
+
+def test_ls_prints_rules_as_written(capsys):
+    code, out, _ = run(capsys, "ls", GOLDEN)
+    assert code == 0
+    rules = [line.split() for line in out.splitlines() if "->" in line]
+    assert ["^model\\.embed\\.weight$", "->", "P('tp',", "None)"] in rules, out
+    assert "\\\\" not in out  # no doubled backslashes
 
 
 def test_ls_of_a_manager_root_lists_its_steps(capsys, tmp_path):
@@ -405,8 +415,10 @@ def test_export_writes_safetensors_that_load_equal(capsys, tmp_path, small, shar
     path, state = small
     out = tmp_path / "st"
     code, stdout, _ = run(capsys, "export", path, "--to", "safetensors", out)
-    assert code == 0 and stdout.split()[0] == str(out / "model-00001-of-00001.safetensors")
-    got = load_file(str(out / "model-00001-of-00001.safetensors"))
+    # One file: named as Hugging Face names it, with no index.
+    assert code == 0 and stdout.split() == [str(out / "model.safetensors"), *stdout.split()[1:3]]
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    got = load_file(str(out / "model.safetensors"))
     assert set(got) == {"model.embed.weight", "model.norm", "opt.m"}
     assert torch.equal(got["model.embed.weight"], state["model"]["embed"]["weight"])
     assert torch.equal(got["model.norm"].view(torch.int16), state["model"]["norm"].view(torch.int16))
@@ -422,6 +434,15 @@ def test_export_writes_safetensors_that_load_equal(capsys, tmp_path, small, shar
     assert index["weight_map"] == {"c": "model-00001-of-00002.safetensors", "w": "model-00002-of-00002.safetensors"}
     for name, file in index["weight_map"].items():
         assert np.array_equal(load_file(str(out / file))[name].numpy(), arrays[name])
+
+
+def test_export_needs_no_to_where_safetensors_is_the_one_format(capsys, tmp_path, sharded):
+    path, arrays = sharded
+    code, stdout, _ = run(capsys, "export", path, tmp_path / "st")
+    assert code == 0
+    written = [Path(line.split()[0]) for line in stdout.splitlines()]
+    tensors = {k: v for f in written if f.suffix == ".safetensors" for k, v in load_file(str(f)).items()}
+    assert set(tensors) == set(arrays) and all(np.array_equal(tensors[k].numpy(), a) for k, a in arrays.items())
 
 
 # --- gc ----------------------------------------------------------------------------------------
@@ -494,14 +515,20 @@ def test_ls_and_gc_of_an_object_store_root(capsys):
         (["plan", "{small}", "--spec", "{spec}", "--mesh", "dp=2"], 2, ["names axis 'tp'", "does not have", "--mesh"]),
         (["export", "{small}", "--to", "safetensors", "{tmp}/x", "--select", "zzz"], 1, ["nothing to export"]),
         (["gc", "{missing}", "--keep-last", "1"], 1, ["no CheckpointManager root"]),
+        (["gc", "{small}", "--keep-last", "1"], 2, ["'{small}' is a checkpoint, not a CheckpointManager root"]),
+        (["ls", "{tmp}"], 1, ["'{tmp}' (the directory is not a checkpoint", "nor is it a CheckpointManager root"]),
+        (["read", "{missing}", "x"], 1, ["no committed layoutckpt checkpoint at '{missing}'; check the path"]),
     ],
 )
 def test_errors_are_one_line_with_the_right_exit_code(capsys, tmp_path, small, sharded, argv, code, words):
     where = {"missing": str(tmp_path / "missing"), "small": small[0], "tmp": str(tmp_path),
              "spec": str(Path(sharded[0]).parent / "tp.toml")}  # fmt: skip
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     got, out, err = run(capsys, *(a.format(**where) for a in argv))
     assert got == code and out == ""
     assert err.count("\n") == 1 and err.startswith(f"layoutckpt {argv[0]}: error: "), err
+    assert "Errno" not in err and "never finished" not in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     for w in words:
         assert w.format(**where) in err, err
 
@@ -568,7 +595,7 @@ def test_the_commands_run_without_torch(tmp_path, small, sharded):
     assert np.array_equal(np.load(tmp_path / "m.npy"), small[1]["opt"]["m"])
     assert results[2][1].startswith(f"{path}: OK")
     assert json.loads(results[3][1])["total"]["amplification"] == 1.0
-    assert (tmp_path / "st" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "st" / "model.safetensors").is_file()
 
 
 def test_npy_of_a_float8_array_keeps_its_bits(capsys, tmp_path):

@@ -111,7 +111,7 @@ def _errors(fn: Callable[[], Any]) -> list[BaseException | None]:
     return errors
 
 
-def _resumed(model: llama.Llama, opt: torch.optim.Optimizer, loaded: dict[str, Any]) -> dict[str, Any]:
+def _resumed(model: llama.Llama, opt: torch.optim.Optimizer, loaded: Any) -> dict[str, Any]:
     """What a resumed run shows: full state, tied weights, and the losses of the next steps."""
     from torch.distributed.tensor import DTensor
 
@@ -123,7 +123,10 @@ def _resumed(model: llama.Llama, opt: torch.optim.Optimizer, loaded: dict[str, A
         "state": _full(lc.get_state(model, opt)),
         "tied_parameter": out is emb,
         "tied_storage": local(out).untyped_storage().data_ptr() == local(emb).untyped_storage().data_ptr(),
-        "tied_loaded": loaded["model"]["output.weight"] is loaded["model"]["tok_embeddings.weight"],
+        # lc.load gives one tensor to both tied names; lc.load_state says it restored everything.
+        "tied_loaded": loaded["model"]["output.weight"] is loaded["model"]["tok_embeddings.weight"]
+        if isinstance(loaded, dict)
+        else loaded.restored == ("model", "optimizer") and loaded.missing == () and loaded.unexpected == (),
         "losses": [llama.train_step(model, opt, s) for s in range(STEPS, STEPS + NEXT)],
     }
 
