@@ -39,7 +39,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ._save import _commit
+from ._save import commit_everywhere
 from .base._errors import FormatError, InvalidNameError, LayoutError
 from .base._options import DEFAULT_IO, IOConfig
 from .base._version import __version__
@@ -701,6 +701,6 @@ def _convert(
         if comm.world == 1:  # one process: its own error, as it is
             staging.discard()
             raise
-        # Reported to every rank by ``_commit``, which then commits nothing.
+        # Reported to every rank by ``commit_everywhere``, which then commits nothing.
         failure = f"{type(err).__name__}: {err}".encode()
-    _commit(comm, staging, final, meta, failure, overwrite)
+    commit_everywhere(comm, staging, final, meta, failure, overwrite)

@@ -680,7 +680,7 @@ def _write_and_commit(
         failure = f"{type(err).__name__}: {err}".encode()
     try:
         start = time.perf_counter()
-        _commit(comm, job.tmp, job.final, job.meta, failure, job.options.overwrite)
+        commit_everywhere(comm, job.tmp, job.final, job.meta, failure, job.options.overwrite)
         job.phases.since("commit", start)
     except BaseException as err:  # noqa: BLE001 - the future raises it
         fut._finish(error=err)
@@ -739,10 +739,11 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     return written
 
 
-def _commit(
+def commit_everywhere(
     comm: Comm | StoreComm, tmp: Location, final: Location, meta: CheckpointMeta, failure: bytes, overwrite: bool
 ) -> None:
-    """Commit only if every rank wrote all it had to; otherwise remove the partial data."""
+    """Commit only if every rank wrote all it had to; otherwise remove the partial data. Every
+    writer of a checkpoint (``save``, ``import_dcp``) ends with it, so all commit alike."""
     _faults.point("save.agree", rank=comm.rank)
     try:
         (failed,) = comm.all_reduce([1 if failure else 0], "max")

@@ -411,12 +411,16 @@ def checksum(body: Mapping[str, Any]) -> str:
 
 
 def root_document(meta: CheckpointMeta) -> bytes:
-    body = meta.to_dict()
-    if meta.format_version >= 3:
-        body[CHECKSUM_KEY] = checksum(body)
     # Compact: opening a checkpoint reads this document, and indentation doubles its size (and
     # makes json fall back to its slower pure-Python encoder).
-    return canonical_json({"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: body}})
+    head = b'{"zarr_format":3,"node_type":"group","attributes":{"' + ATTRS_KEY.encode() + b'":'
+    body = canonical_json(meta.to_dict())
+    if meta.format_version < 3:
+        return head + body + b"}}"
+    # The checksum covers the canonical body without its own member: encoded once, hashed, and
+    # the member spliced in before the closing brace, as section 4 describes a compact writer.
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return head + body[:-1] + b',"' + CHECKSUM_KEY.encode() + b'":"' + digest + b'"}}}'
 
 
 def group_document() -> bytes:

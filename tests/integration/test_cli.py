@@ -387,7 +387,7 @@ def test_plan_equals_the_bytes_a_real_load_fetches(tmp_path, sharded):
 
 
 def test_plan_of_a_box_read_in_pieces(tmp_path):
-    """A box over ``_fetch.PIECE_BYTES`` is read in pieces, in flight together, which share one
+    """A box over ``IOConfig.piece_bytes`` is read in pieces, in flight together, which share one
     read of the shard index; a piece that TensorStore sees late may read it again."""
     folder = tmp_path
     big = np.arange(4608 * 1024, dtype=np.float32).reshape(4608, 1024)  # 18 MiB: two pieces
