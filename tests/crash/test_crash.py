@@ -26,13 +26,6 @@ PREVIOUS = 2  # the newest step committed before each interrupted save
 
 
 @pytest.fixture(scope="module")
-def server():
-    fs = ch.ForkServer()
-    yield fs
-    fs.close()
-
-
-@pytest.fixture(scope="module")
 def base(server, tmp_path_factory):
     """A root with step 1 (saved by one process) and step 2 (saved by a 2-rank job), and the
     measured duration of that job's save."""

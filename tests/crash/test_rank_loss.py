@@ -27,13 +27,6 @@ GRACE = 4 * SAVE_TIMEOUT + 10
 
 
 @pytest.fixture(scope="module")
-def server():
-    fs = ch.ForkServer()
-    yield fs
-    fs.close()
-
-
-@pytest.fixture(scope="module")
 def base(server, tmp_path_factory):
     work = tmp_path_factory.mktemp("rank-loss-base")
     root = work / "root"

@@ -22,7 +22,7 @@ import torch
 
 import layoutckpt as lc
 from layoutckpt.storage._location import PENDING, KvPrefix, locate
-from tests.support.s3server import S3Server
+from tests.support.s3server import running
 
 BUCKET = "ckpts"
 FULL_W = torch.arange(12 * 8, dtype=torch.float32).reshape(12, 8)
@@ -31,17 +31,8 @@ FULL_E = torch.arange(8 * 4, dtype=torch.bfloat16).reshape(8, 4)
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    server.create_bucket(BUCKET)
-    saved = {k: os.environ.get(k) for k in server.env}
-    server.apply()
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with running(BUCKET) as server:
+        yield server
 
 
 def _url() -> str:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 
-from tests.support.s3server import S3Server
+from tests.support.s3server import running
 from tests.support.storage_suite import LocationTests
 
 BUCKET = "conformance"
@@ -15,17 +14,8 @@ BUCKET = "conformance"
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    server.create_bucket(BUCKET)
-    saved = {k: os.environ.get(k) for k in server.env}
-    server.apply()
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with running(BUCKET) as server:
+        yield server
 
 
 @pytest.mark.usefixtures("s3")

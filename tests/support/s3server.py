@@ -6,6 +6,7 @@ user would set (endpoint, region, credentials), so layoutckpt is tested the way 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 
 
 def _free_port() -> int:
@@ -67,3 +69,22 @@ class S3Server:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+
+
+@contextlib.contextmanager
+def running(bucket: str) -> Iterator[S3Server]:
+    """A server with ``bucket`` created and its variables set for this process, as a user would
+    set them; the variables are put back and the server stopped afterwards."""
+    server = S3Server()
+    server.create_bucket(bucket)
+    saved = {k: os.environ.get(k) for k in server.env}
+    server.apply()
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
