@@ -39,22 +39,20 @@ from typing import Any
 import attrs
 import numpy as np
 
+from . import _importing as importing
 from ._save import commit_everywhere
-from .base._errors import FormatError, InvalidNameError, LayoutError
+from .base._errors import FormatError, InvalidNameError
 from .base._options import DEFAULT_IO, IOConfig
-from .base._version import __version__
 from .format import _hierarchy as hierarchy
 from .format._dtypes import ZARR_TO_NUMPY, numpy_dtype
-from .format._format import COMPRESSIONS, ArrayMeta, CheckpointMeta
-from .format._hierarchy import check_user_metadata
+from .format._format import CheckpointMeta
 from .format._shard import grid_cells
 from .layout import _plan
 from .layout._layout import Layout
 from .layout._plan import Box
-from .layout._spec import P, check_spec
-from .layout._tree import check_no_prefix_clash, flatten, name_to_path
+from .layout._tree import check_no_prefix_clash, flatten
 from .storage._commit import new_token
-from .storage._location import Location, locate
+from .storage._location import Location
 from .torch._dist import comm_for
 
 METADATA_FILE = ".metadata"
@@ -574,16 +572,6 @@ def _values(src: Path, meta: Any, names: list[str]) -> tuple[dict[str, Any], lis
 # --- Writing: each rank converts its share; one commit. ---
 
 
-def _array_meta(t: _Tensor, layout: Layout, inner_chunk_bytes: int, compression: str | None) -> ArrayMeta:
-    spec = layout.spec_for(t.name)
-    if not isinstance(spec, P):
-        raise LayoutError(f"array {t.name!r}: the layout gives it {spec!r}, but imported tensors need a P(...) rule")
-    check_spec(spec, layout.mesh, len(t.shape), t.name, t.shape)
-    outer = _plan.shard_shape(t.shape, spec, layout.mesh)
-    inner = _plan.chunk_shape_for(outer, numpy_dtype(t.dtype).itemsize, inner_chunk_bytes)
-    return ArrayMeta(name_to_path(t.name), t.shape, t.dtype, outer, inner, spec, "torch", compression)
-
-
 @attrs.frozen
 class _Chunks:
     """A tensor's placed DCP chunks as a writer's source: any box, read from them on demand."""
@@ -652,35 +640,18 @@ def import_dcp(
     In a ``torch.distributed`` job (or with ``group=``), every rank calls it: the ranks split the
     arrays, each converts its share, and rank 0 commits once every rank has written.
     """
-    layout = Layout.replicated() if layout is None else layout
-    if not isinstance(layout, Layout):
-        raise TypeError(f"layout must be a layoutckpt Layout, got {type(layout).__name__}")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        raise TypeError(f"step must be an int or None, got {step!r}")
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-    check_user_metadata(metadata)
+    layout = importing.check_options(layout, step, compression, metadata)
     folder = Path(src)
     dcp = read_metadata(folder, trust_pickle=trust_pickle)
     tensors, value_names = _tensors(dcp, os.fspath(folder / METADATA_FILE))
     values, skipped = _values(folder, dcp, value_names)
     check_no_prefix_clash([t.name for t in tensors])
-    arrays = {t.name: _array_meta(t, layout, inner_chunk_bytes, compression) for t in tensors}
-    paths = _paths(dcp, [*arrays, *values])
-    meta = CheckpointMeta(
-        arrays=arrays,
-        tree=_tree(paths, {**dict.fromkeys(arrays, _ARRAY), **values}),
-        mesh=layout.mesh,
-        rules=layout.spec_rules,
-        step=step,
-        user_metadata=dict(metadata or {}),
-        library_version=__version__,
-        all_chunks_stored=True,
-    )
-    final = locate(dst)
-    if not final.is_local:
-        raise ValueError(f"import_dcp writes to local directories only, not {final.url!r}; import locally and copy")
-    final.check_destination(overwrite)
+    arrays = {
+        t.name: importing.array_meta(t.name, t.shape, t.dtype, layout, inner_chunk_bytes, compression) for t in tensors
+    }
+    tree = _tree(_paths(dcp, [*arrays, *values]), {**dict.fromkeys(arrays, _ARRAY), **values})
+    meta = importing.checkpoint_meta(arrays, tree, layout, step, metadata)
+    final = importing.local_destination(dst, overwrite, "import_dcp")
     _convert(folder, final, meta, tensors, overwrite, io or DEFAULT_IO, group)
     return DcpImport(final.url, len(arrays), len(values), tuple(skipped))
 

@@ -18,16 +18,15 @@ from typing import Any
 import attrs
 import numpy as np
 
+from . import _importing as importing
 from ._load import Select, _selector
 from ._reader import Reader
-from .base._errors import FormatError, InvalidNameError, LayoutError
+from .base._errors import FormatError, InvalidNameError
 from .base._options import DEFAULT_IO
-from .base._version import __version__
 from .engine._read import BoxRead
 from .format import _hierarchy as hierarchy
 from .format._dtypes import numpy_dtype
-from .format._format import COMPRESSIONS, ArrayMeta, CheckpointMeta, root_document
-from .format._hierarchy import check_user_metadata
+from .format._format import ArrayMeta, CheckpointMeta, root_document
 from .format._safetensors_format import (
     ZARR_TO_SAFETENSORS,
     SafetensorsHeader,
@@ -41,10 +40,9 @@ from .format._shard import grid_cells
 from .layout import _plan
 from .layout._layout import Layout
 from .layout._plan import Box
-from .layout._spec import P, check_spec
-from .layout._tree import check_no_prefix_clash, name_to_path
+from .layout._tree import check_no_prefix_clash
 from .storage._commit import new_token, write_file_atomically
-from .storage._location import Location, locate
+from .storage._location import Location
 
 # Bytes of an array held at once when exporting (one C-order block, written whole).
 BLOCK_BYTES = 16 << 20
@@ -369,37 +367,16 @@ def import_safetensors(
     written; an existing checkpoint at ``path`` raises ``CheckpointExistsError`` unless
     ``overwrite``. Memory stays at a few inner chunks: the files are mapped one chunk at a time.
     """
-    layout = Layout.replicated() if layout is None else layout
-    if not isinstance(layout, Layout):
-        raise TypeError(f"layout must be a layoutckpt Layout, got {type(layout).__name__}")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        raise TypeError(f"step must be an int or None, got {step!r}")
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-    check_user_metadata(metadata)
+    layout = importing.check_options(layout, step, compression, metadata)
     files, weight_map, index = _sources(src)
     tensors = _gather([read_header(f) for f in files], weight_map, index)
     arrays = {
         name: _import_meta(name, h, t, layout, inner_chunk_bytes, compression) for name, (h, t) in tensors.items()
     }
     check_no_prefix_clash(list(arrays))
-    meta = CheckpointMeta(
-        arrays=arrays,
-        tree={"dict": [[name, {"array": name}] for name in arrays]},
-        mesh=layout.mesh,
-        rules=layout.spec_rules,
-        step=step,
-        user_metadata=dict(metadata or {}),
-        library_version=__version__,
-        all_chunks_stored=True,
-    )
-    final = locate(path)
-    if not final.is_local:
-        raise ValueError(
-            f"import_safetensors writes to local directories only, not {final.url!r}; import to a local "
-            "path and copy it, or load the tensors and lc.save them there"
-        )
-    final.check_destination(overwrite)
+    tree = {"dict": [[name, {"array": name}] for name in arrays]}
+    meta = importing.checkpoint_meta(arrays, tree, layout, step, metadata)
+    final = importing.local_destination(path, overwrite, "import_safetensors")
     _write_checkpoint(final, meta, tensors, overwrite)
 
 
@@ -408,19 +385,9 @@ def _import_meta(
 ) -> ArrayMeta:
     """The document of tensor ``t`` of file ``h`` as an array chunked as ``layout`` says."""
     try:
-        storage_path = name_to_path(name)
+        return importing.array_meta(name, t.shape, t.dtype, layout, inner_chunk_bytes, compression)
     except InvalidNameError as err:
         raise InvalidNameError(f"{h.path}: {err}") from None
-    spec = layout.spec_for(name)
-    if not isinstance(spec, P):
-        raise LayoutError(
-            f"array {name!r}: the layout gives it {spec!r}, but imported tensors are whole arrays; "
-            "give it a P(...) rule (a flat buffer's parameters are stored per parameter anyway)"
-        )
-    check_spec(spec, layout.mesh, len(t.shape), name, t.shape)
-    outer = _plan.shard_shape(t.shape, spec, layout.mesh)
-    inner = _plan.chunk_shape_for(outer, numpy_dtype(t.dtype).itemsize, inner_chunk_bytes)
-    return ArrayMeta(storage_path, t.shape, t.dtype, outer, inner, spec, "torch", compression)
 
 
 @attrs.frozen
