@@ -41,8 +41,12 @@ from .format._format import FORMAT_VERSION as FORMAT_VERSION
 from .format._zarr_dtypes import register as _register_zarr_dtypes
 from .layout._flat import Flat as Flat
 from .layout._layout import Layout as Layout
+from .layout._names import Rename as Rename
+from .layout._names import Renumber as Renumber
 from .layout._plan import shard_box as shard_box
 from .layout._spec import Mesh as Mesh
 from .layout._spec import P as P
+from .layout._views import Fused as Fused
+from .layout._views import Padded as Padded
 
 _register_zarr_dtypes()

@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 
 from . import _rankstate
+from ._pieces import uses_views
 from .base._arguments import check_load_arguments
 from .base._errors import TemplateMismatchError
 from .base._futures import LoadFuture
@@ -29,8 +30,10 @@ from .format._format import ArrayMeta, CheckpointMeta
 from .layout import _flat, _plan
 from .layout._flat import Flat
 from .layout._layout import Layout
+from .layout._names import to_global
 from .layout._spec import P, check_spec
 from .layout._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
+from .layout._views import Cut, Fused, Padded, part_name
 from .storage import _store
 from .storage._location import locate
 from .torch._dist import check_mesh, comm_for
@@ -121,6 +124,17 @@ FlatReads = tuple[int, str, list[tuple[Target, int, int, int]]]  # (length, dtyp
 
 
 @attrs.frozen
+class Composite:
+    """A template leaf made of several reads: a fused tensor's parts, or a padded tensor's
+    logical rows with the padding filled."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    parts: tuple[tuple[Target, Cut], ...]
+    fill: float = 0
+
+
+@attrs.frozen
 class _LoadPlan:
     """What this rank loads: the tree to build, the template's leaves, and every read."""
 
@@ -130,9 +144,11 @@ class _LoadPlan:
     targets: dict[str, Target]
     flats: dict[str, FlatReads]
     options: LoadOptions
+    composites: dict[str, Composite] = attrs.field(factory=dict)
 
     def requests(self, meta: CheckpointMeta) -> list[BoxRead]:
         boxes = list(self.targets.values()) + [key for _, _, parts in self.flats.values() for key, *_ in parts]
+        boxes += [key for c in self.composites.values() for key, _ in c.parts]
         return [
             BoxRead(stored, meta.arrays[stored], box, key=(stored, box))
             for stored, box in dict.fromkeys(boxes)
@@ -145,8 +161,14 @@ def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options:
     if options.inplace and options.like is None:
         raise TemplateMismatchError("inplace=True copies into the tensors of like=; pass the state to fill as like=")
     flat_spec = functools.partial(_flat_spec, layout)
+    global_names: dict[str, str] = {}
     if options.like is not None:
-        structure, template = _template(where, meta, options, flat_spec)
+        structure, template = flatten(options.like)
+        if uses_views(layout):
+            assert layout is not None
+            check_mesh(layout.mesh, comm)
+            global_names = to_global(layout.names, template, layout.mesh.coords(comm.rank))
+        _check_template_names(where, meta, options, template, global_names, layout)
     else:
         # A stored group that a flat rule names is loaded as that flat buffer.
         structure, template = collapse(meta.tree, lambda n: flat_spec(n) is not None), {}
@@ -159,8 +181,8 @@ def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options:
     wanted = template if options.like is not None else dict(leaf_nodes(structure))
     keep = _selector(options.select, list(wanted))
     names = [n for n in wanted if keep is None or n in keep]
-    targets, flats = _targets(names, template, meta, target_layout, layout, comm)
-    return _LoadPlan(structure, template, keep, targets, flats, options)
+    targets, flats, composites = _targets(names, template, meta, target_layout, layout, comm, global_names)
+    return _LoadPlan(structure, template, keep, targets, flats, options, composites)
 
 
 def _flat_spec(layout: Layout | None, name: str) -> Flat | None:
@@ -168,27 +190,47 @@ def _flat_spec(layout: Layout | None, name: str) -> Flat | None:
     return rule[1] if rule is not None and isinstance(rule[1], Flat) else None
 
 
-def _template(
-    where: str, meta: CheckpointMeta, options: LoadOptions, flat_spec: Callable[[str], Flat | None]
-) -> tuple[Any, dict[str, Any]]:
-    """The template's tree and leaves, checked against what the checkpoint holds."""
+def _check_template_names(
+    where: str,
+    meta: CheckpointMeta,
+    options: LoadOptions,
+    template: dict[str, Any],
+    global_names: dict[str, str],
+    layout: Layout | None,
+) -> None:
+    """Every template leaf is in the checkpoint (under its global name, as its fused parts or
+    flat parameters), and, with ``strict``, every stored array is in the template."""
     stored_leaves = dict(leaf_nodes(meta.tree))
-    structure, template = flatten(options.like)
-    flat_names = {n for n in template if flat_spec(n) is not None}
-    missing = sorted(n for n in template if n not in stored_leaves and n not in flat_names)
+    covered: set[str | None] = set()
+    missing = []
+    for name in template:
+        wanted = _stored_of(global_names.get(name, name), layout, stored_leaves)
+        absent = [n for n in wanted if n not in stored_leaves]
+        missing += [name] if absent else []
+        covered |= {_stored_name(n, stored_leaves) for n in wanted}
     if missing:
         raise TemplateMismatchError(
-            f"the template asks for {missing[:5]}, which checkpoint {where!r} does not "
+            f"the template asks for {sorted(missing)[:5]}, which checkpoint {where!r} does not "
             "hold; remove them from the template or load them from another checkpoint"
         )
-    covered = {_stored_name(n, stored_leaves) for n in template}
-    covered |= {f"{n}.{p}" for n in flat_names for p, _ in flat_spec(n).params}  # type: ignore[union-attr]
     extra = sorted(n for n in meta.arrays if n not in covered)
-    if options.strict and extra and options.select is None:
+    # Under stage axes each rank holds its stage's arrays only: the others' are not missing.
+    staged = layout is not None and bool(layout.stage_axes)
+    if options.strict and extra and options.select is None and not staged:
         raise TemplateMismatchError(
             f"checkpoint {where!r} holds arrays the template lacks, e.g. {extra[:5]}; pass strict=False to ignore them"
         )
-    return structure, template
+
+
+def _stored_of(name: str, layout: Layout | None, stored_leaves: dict[str, Any]) -> list[str]:
+    """The stored leaves the template leaf ``name`` (global) is read from."""
+    spec = _flat_spec(layout, name)
+    if spec is not None:
+        return [f"{name}.{p}" for p, _ in spec.params]
+    rule = layout.rule_for(name) if layout is not None and name not in stored_leaves else None
+    if rule is not None and isinstance(rule[1], Fused):
+        return [part_name(name, p) for p, _ in rule[1].parts]
+    return [name]
 
 
 def _targets(
@@ -198,33 +240,74 @@ def _targets(
     layout: Layout,
     user_layout: Layout | None,
     comm: Any,
-) -> tuple[dict[str, Target], dict[str, FlatReads]]:
-    """The box of every named array this rank loads, and the reads of its flat buffers."""
+    global_names: dict[str, str],
+) -> tuple[dict[str, Target], dict[str, FlatReads], dict[str, Composite]]:
+    """The box of every named array this rank loads, the reads of its flat buffers, and of its
+    fused and padded leaves."""
     stored_leaves = dict(leaf_nodes(meta.tree))
     targets: dict[str, Target] = {}
     flats: dict[str, FlatReads] = {}
+    composites: dict[str, Composite] = {}
     for name in names:
         target = template.get(name)
-        spec = _flat_spec(user_layout, name)
+        gname = global_names.get(name, name)
+        spec = _flat_spec(user_layout, gname)
         if spec is not None:
-            flats[name] = _plan_flat(name, spec, layout.mesh, comm.rank, meta.arrays, target)
+            flats[name] = _plan_flat(gname, spec, layout.mesh, comm.rank, meta.arrays, target)
             continue
-        stored = _stored_name(name, stored_leaves)
+        view = layout.spec_for(gname) if user_layout is not None and target is not None else None
+        if isinstance(view, Fused | Padded) and not is_dtensor(target):
+            composites[name] = _plan_view(gname, view, target, meta, layout.mesh, comm.rank)
+            continue
+        stored = _stored_name(gname, stored_leaves)
         if stored is None:
             continue
         a = meta.arrays[stored]
         if is_dtensor(target):
             _check_global(name, target, a)
-            mesh, spec = sharding_of(target, name, comm.rank, comm.global_ranks, user_layout)
+            mesh, spec = sharding_of(target, gname, comm.rank, comm.global_ranks, user_layout)
         else:
-            mesh, spec = layout.mesh, layout.spec_for(name) if user_layout is not None else P()
-            check_spec(spec, mesh, len(a.shape), name, a.shape)
+            mesh, spec = layout.mesh, layout.spec_for(gname) if user_layout is not None else P()
+            spec = spec.spec if isinstance(spec, Fused | Padded) else spec
+            check_spec(spec, mesh, len(a.shape), gname, a.shape)
         box = _plan.shard_box(a.shape, spec, mesh, comm.rank)
         if target is not None:
             local = target.to_local() if is_dtensor(target) else target
             _check_template(name, local, a, _plan.box_shape(box), spec)
         targets[name] = (stored, box)
-    return targets, flats
+    return targets, flats, composites
+
+
+def _plan_view(name: str, view: Fused | Padded, target: Any, meta: CheckpointMeta, mesh: Any, rank: int) -> Composite:
+    """The reads that fill a fused or padded template leaf, each checked against the stored array."""
+    if not is_array_leaf(target):
+        raise TemplateMismatchError(f"array {name!r}: the template holds a {type(target).__name__}; put a tensor there")
+    shape, coords = tuple(target.shape), mesh.coords(rank)
+    if isinstance(view, Fused):
+        cuts = view.cuts(name, shape, mesh, coords)
+        fill: float = 0
+    else:
+        cut, _, rows = view.cut(name, shape, mesh, coords)
+        cuts, fill = [(name, cut)], view.value
+    parts, dtypes = [], set()
+    for stored, cut in cuts:
+        a = meta.arrays[stored]
+        check_spec(view.spec, mesh, len(a.shape), stored, a.shape)
+        shard = None if isinstance(view, Fused) else (*a.shape[: cut.dim], rows, *a.shape[cut.dim + 1 :])
+        box = _plan.shard_box(a.shape, view.spec, mesh, rank, shard)
+        piece = (*shape[: cut.dim], cut.groups * cut.width, *shape[cut.dim + 1 :])
+        if _plan.box_shape(box) != piece:
+            raise TemplateMismatchError(
+                f"array {name!r}: its part {stored!r} is {_plan.box_shape(box)} of the stored {a.shape} on this rank "
+                f"under {view!r}, but the template's tensor {shape} leaves it {piece}; build the model with the "
+                "saved configuration (the parts' sizes, the vocabulary)"
+            )
+        parts.append(((stored, box), cut))
+        dtypes.add(a.dtype)
+    _check_template(name, target, meta.arrays[cuts[0][0]], shape, view)
+    if len(dtypes) > 1:
+        raise TemplateMismatchError(f"array {name!r}: its parts are stored with different dtypes {sorted(dtypes)}")
+    return Composite(shape, dtypes.pop(), tuple(parts), fill)
 
 
 def _finish(
@@ -283,6 +366,11 @@ class _Builder:
             if plan.options.inplace:
                 return _fill(target, data)
             return data.to(local_device(target)) if is_tensor(data) else data
+        if name in plan.composites:
+            data = self.composite(name)
+            if plan.options.inplace:
+                return _fill(target, data)
+            return data.to(local_device(target)) if is_tensor(data) else data
         if name not in plan.targets:
             return decode_value(self.stored_leaves[name]) if name in self.stored_leaves else node
         if plan.options.inplace and target is not None:
@@ -313,6 +401,16 @@ class _Builder:
         if kind == "numpy" or not installed():  # without torch installed, every array is NumPy
             return data
         return _as_tensor(data, a.dtype)
+
+    def composite(self, name: str) -> Any:
+        c = self.plan.composites[name]
+        out = np.full(c.shape, c.fill, dtype=numpy_dtype(c.dtype))
+        for key, cut in c.parts:
+            if _plan.box_size(key[1]) > 0:
+                cut.place(out, self.reads.result(key))
+        if isinstance(self.plan.template.get(name), np.ndarray) or not installed():
+            return out
+        return _as_tensor(out, c.dtype)
 
     def flat_buffer(self, name: str) -> Any:
         length, dtype, parts = self.plan.flats[name]
@@ -351,7 +449,8 @@ def _plan_flat(
 ) -> tuple[int, str, list[tuple[tuple[str, _plan.Box], int, int, int]]]:
     """(buffer length, dtype, reads) of a flat target: whole rows of each parameter it overlaps."""
     spec.check(mesh, name)
-    length, reads = _flat.load_plan(spec, mesh, rank)
+    pieces = spec.local(mesh, rank)
+    length, reads = _flat.load_plan(pieces.flat, pieces.mesh, pieces.rank)
     dtypes = set()
     for param, shape in spec.params:
         stored = f"{name}.{param}"
@@ -377,7 +476,7 @@ def _plan_flat(
                 f"rank {rank} a buffer of {length} elements; fix the template or the layout"
             )
         _check_template(name, local, ArrayMeta(name, (length,), dtype, (length,), (length,), P()), (length,), spec)
-    parts = [((f"{name}.{spec.params[r.param][0]}", r.box), r.lo, r.hi, r.dst) for r in reads]
+    parts = [((f"{name}.{spec.params[r.param][0]}", pieces.to_global(r.box, r.param)), r.lo, r.hi, r.dst) for r in reads]
     return length, dtype, parts
 
 

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any, Unpack
 
 import attrs
 import numpy as np
 
 from . import _rankstate
+from ._pieces import Piece, localize, padded_shard, pieces_of, source_of, tie, tree_nodes, uses_views
+from ._stages import join, reconcile
 from .base import _faults
 from .base._arguments import check_save_arguments
 from .base._errors import InconsistentShardsError, SaveError
@@ -31,21 +33,18 @@ from .base._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
 from .base._options import SaveAsyncKeywords, SaveKeywords, SaveOptions, options_of
 from .base._version import __version__
 from .format import _hierarchy as hierarchy
-from .format._dtypes import zarr_name
 from .format._format import ArrayMeta, CheckpointMeta, root_document
 from .format._hierarchy import check_user_metadata
 from .layout import _flat, _plan
 from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._spec import Mesh, P, check_spec
-from .layout._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, retarget
+from .layout._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, tree_of
 from .storage._commit import new_token
 from .storage._location import Location, locate
 from .torch._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
-from .torch._dtensor import default_mesh, is_dtensor, sharding_of
+from .torch._dtensor import default_mesh, sharding_of
 from .torch._staging import Staged, side_stream, stage_all
-from .torch._tensors import tensor_zarr_dtype
-from .torch._torch import is_tensor
 
 DEFAULT_INNER_CHUNK_BYTES = 2 << 20
 
@@ -70,72 +69,6 @@ class SaveResult:
     blocked_seconds: float = 0.0
     staged_bytes: int = 0
     metrics: Metrics | None = attrs.field(default=None, repr=False)
-
-
-@attrs.frozen
-class _Local:
-    """One array leaf as this rank holds it (the live object: nothing is copied yet)."""
-
-    name: str
-    source: Any
-    shape: tuple[int, ...]
-    itemsize: int
-    dtype: str
-    kind: str
-    # A DTensor leaf: its global shape, mesh and placements are known, so it needs no rule.
-    dtensor: Any = None
-
-
-def _local_arrays(leaves: Mapping[str, Any]) -> list[_Local]:
-    out = []
-    for name, leaf in leaves.items():
-        if is_dtensor(leaf):
-            local = leaf.to_local()
-            dtype = tensor_zarr_dtype(local, name)
-            out.append(_Local(name, local, tuple(local.shape), local.element_size(), dtype, "torch", leaf))
-        elif is_tensor(leaf):
-            dtype = tensor_zarr_dtype(leaf, name)
-            out.append(_Local(name, leaf, tuple(leaf.shape), leaf.element_size(), dtype, "torch"))
-        elif isinstance(leaf, np.ndarray | np.generic):
-            # Stored bytes are little-endian: a big-endian array is converted (a copy), never
-            # written as it lies in memory.
-            data = np.asarray(leaf).astype(leaf.dtype.newbyteorder("="), copy=False)
-            kind = "numpy" if isinstance(leaf, np.ndarray) else "numpy_scalar"
-            out.append(_Local(name, data, data.shape, data.itemsize, zarr_name(data.dtype, name), kind))
-    return out
-
-
-def _storage_key(leaf: Any) -> Any:
-    """Equal for two leaves that are the same tensor (tied weights), None where that is unknowable."""
-    extra: tuple[Any, ...] = ()
-    if is_dtensor(leaf):
-        extra = (id(leaf.device_mesh), tuple(leaf.placements), tuple(leaf.shape))
-        leaf = leaf.to_local()
-    if not is_tensor(leaf) or leaf.device.type == "meta" or str(leaf.layout) != "torch.strided" or leaf.numel() == 0:
-        return None
-    view = (leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, str(leaf.device))
-    return (leaf.untyped_storage().data_ptr(), *view, *extra)
-
-
-def _tie(structure: Any, leaves: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """Store a tensor that appears under several names (tied weights) once, under its first name.
-
-    The other names become aliases in the tree, so a load gives one tensor back to all of them.
-    """
-    first: dict[Any, str] = {}
-    aliases: dict[str, str] = {}
-    for name, leaf in leaves.items():
-        key = _storage_key(leaf)
-        if key is None:
-            continue
-        if key in first:
-            aliases[name] = first[key]
-        else:
-            first[key] = name
-    if not aliases:
-        return structure, leaves
-    kept = {n: leaf for n, leaf in leaves.items() if n not in aliases}
-    return retarget(structure, aliases), kept
 
 
 def _agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[list[int], list[int]]:
@@ -244,9 +177,13 @@ def start(
     previous = wait_previous()
     # 1. Local checks. An error is held until every rank has reported, so no rank hangs.
     checked = _check_locally(comm, final, state, layout, options, previous)
+    # Under stage axes, the one exchange along them: every rank learns every array.
+    checked = _with_views(comm, checked, layout)
     # 2. Agree on the state, and plan (or reuse the plan of an earlier save of the same state).
-    planned, token = _agree_on_plan(comm, final, checked, options)
+    planned, token = _agree_on_plan(comm, final, checked, layout, options)
     # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
+    # Copies that must agree are checked (or averaged) now: their values change from save to save.
+    checked = attrs.evolve(checked, arrays=reconcile(comm, checked.arrays, checked.shardings, checked.holders, layout))
     job, sources = _job(comm, final, layout, options, checked, planned, token, copy, t0)
     job.phases.since("plan", t0)
     items = [Staged(source) for source in sources]
@@ -263,11 +200,15 @@ class _Checked:
 
     mesh: Mesh
     structure: Any = None
-    arrays: list[_Local] = attrs.field(factory=list)
+    arrays: list[Piece] = attrs.field(factory=list)
     shardings: list[tuple[Mesh, P]] = attrs.field(factory=list)
-    flats: list[tuple[_Local, Flat]] = attrs.field(factory=list)
+    flats: list[tuple[Piece, Flat]] = attrs.field(factory=list)
     rank_doc: bytes | None = None
     error: BaseException | None = None
+    # Under a layout with views, the stored tree's leaves by global name (the tree is built from
+    # them once every stage's are known); and, with stage axes, which coordinates hold each array.
+    nodes: dict[str, Any] | None = None
+    holders: list[tuple[tuple[int, ...], ...]] | None = None
 
 
 def _check_locally(
@@ -284,13 +225,19 @@ def _check_locally(
     try:
         if previous is not None:
             raise SaveError(f"the previous save_async failed, and this save was not started: {previous}") from previous
-        structure, leaves = _tie(*flatten(state))
+        structure, leaves = tie(*flatten(state))
         if layout is None:
             mesh = default_mesh(leaves, comm.world, comm.global_ranks)
         check_mesh(mesh, comm)
-        arrays, shardings, flats = _shardings(comm, leaves, layout, mesh)
-        if flats:
+        pieces = localize(pieces_of(leaves), layout, mesh, comm.rank)
+        arrays, shardings, flats = _shardings(comm, pieces, layout, mesh)
+        nodes = None
+        if uses_views(layout):
+            assert layout is not None
+            nodes = tree_nodes(structure, pieces, flats, layout, mesh, comm.rank)
+        elif flats:
             structure = _expand_flats(structure, flats)
+        if flats:
             check_no_prefix_clash([a.name for a in arrays] + [n for f, spec in flats for n in _flat_names(f, spec)])
         check_user_metadata(options.metadata)
         rank_doc = None
@@ -304,22 +251,22 @@ def _check_locally(
             final.prepare()
     except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
         return _Checked(mesh, error=err)
-    return _Checked(mesh, structure, arrays, shardings, flats, rank_doc)
+    return _Checked(mesh, structure, arrays, shardings, flats, rank_doc, nodes=nodes)
 
 
 def _shardings(
-    comm: Comm, leaves: Mapping[str, Any], layout: Layout | None, mesh: Mesh
-) -> tuple[list[_Local], list[tuple[Mesh, P]], list[tuple[_Local, Flat]]]:
-    """This rank's array leaves with how each is split (a flat buffer's apart), each checked."""
-    arrays: list[_Local] = []
+    comm: Comm, pieces: list[Piece], layout: Layout | None, mesh: Mesh
+) -> tuple[list[Piece], list[tuple[Mesh, P]], list[tuple[Piece, Flat]]]:
+    """This rank's pieces with how each is split (a flat buffer's apart), each checked."""
+    arrays: list[Piece] = []
     shardings: list[tuple[Mesh, P]] = []
-    flats: list[tuple[_Local, Flat]] = []
-    for a in _local_arrays(leaves):
+    flats: list[tuple[Piece, Flat]] = []
+    for a in pieces:
         if a.dtensor is not None:
             shardings.append(sharding_of(a.dtensor, a.name, comm.rank, comm.global_ranks, layout))
             arrays.append(a)
             continue
-        spec = layout.spec_for(a.name) if layout is not None else P()
+        spec = a.spec
         if isinstance(spec, Flat):
             flats.append((a, _check_flat(a, spec, mesh, comm.rank)))
             continue
@@ -329,7 +276,41 @@ def _shardings(
     return arrays, shardings, flats
 
 
-def _agree_on_plan(comm: Comm, final: Location, checked: _Checked, options: SaveOptions) -> tuple[_Planned, int]:
+def _with_views(comm: Comm, checked: _Checked, layout: Layout | None) -> _Checked:
+    """Under a layout with views, the stored tree built from global names; with stage axes,
+    after the one exchange along them, every stored array of the state (stand-ins where this
+    rank holds none) and which coordinates hold each. A failure is held, as local ones are."""
+    if layout is None or not uses_views(layout):
+        return checked
+    try:
+        if not layout.stage_axes:
+            return checked if checked.error else attrs.evolve(checked, structure=tree_of(checked.nodes or {}))
+        if checked.mesh.size != comm.world:
+            return checked  # every rank fails check_mesh alike: no exchange to take part in
+        failed = checked.error is not None
+        j = join(comm, checked.mesh, layout, checked.arrays, checked.shardings, checked.nodes or {}, failed)
+        if failed:
+            return checked
+        tree = tree_of(j.nodes)
+    except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
+        return checked if checked.error else attrs.evolve(checked, error=err)
+    return attrs.evolve(checked, structure=tree, arrays=j.arrays, shardings=j.shardings, holders=j.holders)
+
+
+def _stage_plan(checked: _Checked, layout: Layout | None) -> Any:
+    """For ``_ToPlan.stages``: the stage axes and who may write each array."""
+    if checked.holders is None or layout is None:
+        return None
+    writers = tuple(
+        held[:1] if layout.replica_policy(a.name) == "first" else held
+        for a, held in zip(checked.arrays, checked.holders)
+    )
+    return layout.stage_axes, tuple(checked.holders), writers
+
+
+def _agree_on_plan(
+    comm: Comm, final: Location, checked: _Checked, layout: Layout | None, options: SaveOptions
+) -> tuple[_Planned, int]:
     """Check in one collective that every rank passed the same state to the same place with the
     same options, and plan the save unless every rank holds the plan of one earlier save of it;
     the plan and the save's token."""
@@ -337,9 +318,19 @@ def _agree_on_plan(comm: Comm, final: Location, checked: _Checked, options: Save
     # The mesh is part of each spec: ranks that order or size the mesh axes differently would
     # place their shards at different boxes.
     signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {m!r}") for a, (m, s) in zip(arrays, checked.shardings)]
+    if checked.holders is not None:
+        signature = [(*sig, held) for sig, held in zip(signature, checked.holders)]
     signature += [(a.name, a.dtype, 1, f"{spec!r} on {mesh!r}") for a, spec in flats]
     agreed = (signature, checked.structure, checked.rank_doc is not None)
-    what = _ToPlan(mesh, arrays, checked.shardings, flats, options.inner_chunk_bytes, options.compression)
+    what = _ToPlan(
+        mesh,
+        arrays,
+        checked.shardings,
+        flats,
+        options.inner_chunk_bytes,
+        options.compression,
+        _stage_plan(checked, layout),
+    )
     key = None if checked.error else what.key(comm)
     cached = _PLANS.get(key)
     call = _call_of(final, options)
@@ -387,7 +378,7 @@ def _job(
         all_chunks_stored=True,
     )
     mine = [(checked.arrays[i].name, box) for i, box in planned.regular]
-    sources = [checked.arrays[i].source for i, _ in planned.regular]
+    sources = [source_of(checked.arrays[i]) for i, _ in planned.regular]
     # Boundary fragments travel now, on the caller's thread: the process group is free, and
     # each rank sends at most one row block's fragment per flat buffer.
     for name, box, data in _flat_writes(comm, checked.flats, planned.flat_shards, checked.mesh):
@@ -475,11 +466,14 @@ class _ToPlan:
     """What a save plans from: this rank's arrays, how each is split, and the chunking."""
 
     mesh: Mesh
-    arrays: list[_Local]
+    arrays: list[Piece]
     shardings: list[tuple[Mesh, P]]
-    flats: list[tuple[_Local, Flat]]
+    flats: list[tuple[Piece, Flat]]
     inner_chunk_bytes: int
     compression: str | None
+    # With stage axes: those axes, and for each array the stage coordinates holding it and those
+    # whose ranks may write it (the first alone where the layout's replica policy says "first").
+    stages: tuple[tuple[str, ...], tuple[Any, ...], tuple[Any, ...]] | None = None
 
     def key(self, comm: Comm) -> Any:
         """Everything the plan depends on that this rank knows alone (hashable)."""
@@ -488,9 +482,17 @@ class _ToPlan:
             for a, (m, spec) in zip(self.arrays, self.shardings)
         )
         flat = tuple((a.name, a.dtype, a.shape, a.itemsize, a.kind, repr(spec)) for a, spec in self.flats)
-        return (comm.rank, tuple(comm.global_ranks), self.mesh, local, flat, self.inner_chunk_bytes, self.compression)
+        where = (comm.rank, tuple(comm.global_ranks), self.mesh, self.stages)
+        return (*where, local, flat, self.inner_chunk_bytes, self.compression)
 
-    def meta(self, name: str, a: _Local, shape: tuple[int, ...], outer: tuple[int, ...], **more: Any) -> ArrayMeta:
+    def holders(self, index: int) -> int | None:
+        """How many ranks hold array ``index`` (None: all of them)."""
+        if self.stages is None:
+            return None
+        axes, held, _ = self.stages
+        return len(held[index]) * self.mesh.size // math.prod(self.mesh.axis_size(a) for a in axes)
+
+    def meta(self, name: str, a: Piece, shape: tuple[int, ...], outer: tuple[int, ...], **more: Any) -> ArrayMeta:
         """The document of the array ``name`` (of ``a``'s dtype), stored in shards of ``outer``."""
         return ArrayMeta(
             path=name_to_path(name),
@@ -533,25 +535,35 @@ def _plan_globally(comm: Comm, what: _ToPlan, token: int) -> _Planned:
 
 def _array_metas(comm: Comm, what: _ToPlan) -> tuple[dict[str, ArrayMeta], list[_plan.ArraySpec]]:
     """The document and the plan entry of each regular array, its global shape recovered from
-    every rank's local shape (or its DTensor's)."""
+    the local shapes of the ranks holding it (or its DTensor's)."""
     local_dims = [d for a in what.arrays for d in a.shape]
     sums = comm.all_reduce(local_dims, "sum")
-    maxs, mins = comm.all_max_min(local_dims)
+    # A rank holding no piece of an array (another stage's) takes no part in its extremes.
+    held = [a.source is not None for a in what.arrays for _ in a.shape]
+    hi = comm.all_reduce([*local_dims, *(-d if h else -_NONE for d, h in zip(local_dims, held))], "max")
+    maxs, mins = hi[: len(local_dims)], [-v for v in hi[len(local_dims) :]]
     metas: dict[str, ArrayMeta] = {}
     plan_arrays: list[_plan.ArraySpec] = []
     offset = 0
-    for a, (m, spec) in zip(what.arrays, what.shardings):
+    for index, (a, (m, spec)) in enumerate(zip(what.arrays, what.shardings)):
         sl = slice(offset, offset + len(a.shape))
         offset += len(a.shape)
+        holders = what.holders(index)
         if a.dtensor is not None:
             shape = tuple(a.dtensor.shape)
         else:
-            shape = _plan.global_shape_from_sums(a.name, spec, m, sums[sl], mins[sl], maxs[sl])
+            shape = _plan.global_shape_from_sums(a.name, spec, m, sums[sl], mins[sl], maxs[sl], holders)
         own_mesh = m if m != what.mesh else None
-        outer = _plan.shard_shape(shape, spec, m)
+        shard = padded_shard(a, shape, spec, m)
+        outer = _plan.shard_shape(shape, spec, m, shard)
         metas[a.name] = what.meta(a.name, a, shape, outer, spec=spec, mesh=own_mesh)
-        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize, own_mesh))
+        stage_axes, stages = ((), None) if what.stages is None else (what.stages[0], what.stages[2][index])
+        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize, own_mesh, shard, stage_axes, stages))
     return metas, plan_arrays
+
+
+# What a rank that holds no piece of an array gives to the minimum of its sizes: past any size.
+_NONE = 1 << 62
 
 
 def _flat_metas(what: _ToPlan, metas: dict[str, ArrayMeta]) -> list[list[tuple[int, ...]]]:
@@ -559,18 +571,20 @@ def _flat_metas(what: _ToPlan, metas: dict[str, ArrayMeta]) -> list[list[tuple[i
     flat_shards: list[list[tuple[int, ...]]] = []
     for a, spec in what.flats:
         flat_shards.append([])
-        for stored, (_, shape) in zip(_flat_names(a, spec), spec.params):
-            outer = _flat.row_shard_shape(shape, a.itemsize, _flat.DEFAULT_SHARD_BYTES)
+        for index, (stored, (param, shape)) in enumerate(zip(_flat_names(a, spec), spec.params)):
+            outer = spec.stored_shard(index, a.itemsize, what.mesh, _flat.DEFAULT_SHARD_BYTES)
             flat_shards[-1].append(outer)
-            metas[stored] = what.meta(stored, a, shape, outer, spec=P())
+            metas[stored] = what.meta(stored, a, shape, outer, spec=spec.spec_of(param))
     return flat_shards
 
 
 def _check_shards(rank: int, what: _ToPlan, plan_arrays: list[_plan.ArraySpec]) -> None:
     """Each local shard has the shape its rank's box of the recovered global shape has."""
     for a, pa in zip(what.arrays, plan_arrays):
+        if a.source is None:
+            continue  # another stage's array
         mesh = pa.mesh or what.mesh
-        expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, mesh, rank))
+        expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, mesh, rank, pa.shard))
         if a.shape != expected:
             raise InconsistentShardsError(
                 f"array {a.name!r}: rank {rank} holds a shard of shape {a.shape}, but "
@@ -580,25 +594,27 @@ def _check_shards(rank: int, what: _ToPlan, plan_arrays: list[_plan.ArraySpec]) 
             )
 
 
-def _flat_names(a: _Local, spec: Flat) -> list[str]:
+def _flat_names(a: Piece, spec: Flat) -> list[str]:
     """The stored names of a flat buffer's parameters: under the buffer's own name."""
     return [f"{a.name}.{param}" for param, _ in spec.params]
 
 
-def _check_flat(a: _Local, spec: Flat, mesh: Mesh, rank: int) -> Flat:
+def _check_flat(a: Piece, spec: Flat, mesh: Mesh, rank: int) -> Flat:
     spec.check(mesh, a.name)
-    piece, _ = spec.piece_of(mesh, rank)
-    start, stop = spec.piece_range(mesh, piece)
+    local = spec.local(mesh, rank)
+    piece, _ = local.flat.piece_of(local.mesh, local.rank)
+    start, stop = local.flat.piece_range(local.mesh, piece)
     if len(a.shape) != 1 or a.shape[0] != stop - start:
+        pieces = " (of its tensor-parallel pieces)" if spec.within else ""
         raise InconsistentShardsError(
             f"flat array {a.name!r}: rank {rank} holds shape {a.shape}, but {spec!r} on {mesh!r} gives it "
-            f"elements [{start}, {stop}) of the {spec.total} concatenated, a 1-D buffer of {stop - start}; "
-            "pass each rank's own flat buffer, or declare its bounds"
+            f"elements [{start}, {stop}) of the {local.flat.total} concatenated{pieces}, a 1-D buffer of "
+            f"{stop - start}; pass each rank's own flat buffer, or declare its bounds"
         )
     return spec
 
 
-def _expand_flats(structure: Any, flats: list[tuple[_Local, Flat]]) -> Any:
+def _expand_flats(structure: Any, flats: list[tuple[Piece, Flat]]) -> Any:
     """Each flat buffer's leaf becomes the tree of its parameters, stored as arrays of their own."""
     for a, spec in flats:
         structure = replace_leaf(structure, a.name, nested(a.name, [p for p, _ in spec.params]))
@@ -606,7 +622,7 @@ def _expand_flats(structure: Any, flats: list[tuple[_Local, Flat]]) -> Any:
 
 
 def _flat_writes(
-    comm: Comm, flats: list[tuple[_Local, Flat]], shards: list[list[tuple[int, ...]]], mesh: Mesh
+    comm: Comm, flats: list[tuple[Piece, Flat]], shards: list[list[tuple[int, ...]]], mesh: Mesh
 ) -> list[tuple[str, _plan.Box, Any]]:
     """(stored name, box, data) of the row blocks this rank writes for its flat buffers.
 
@@ -626,22 +642,28 @@ def _flat_writes(
         local = a.source if isinstance(a.source, torch.Tensor) else from_numpy(np.ascontiguousarray(a.source), a.dtype)
         local = local.detach()
         names = _flat_names(a, spec)
-        writes, to_send = _flat.save_plan(spec, mesh, comm.rank, shard_shapes)
+        # Over tensor-parallel pieces, the plan is that of this rank's pieces on the mesh without
+        # the tensor-parallel axes; its ranks and boxes are mapped back to the full mesh's.
+        pieces = spec.local(mesh, comm.rank)
+        writes, to_send = _flat.save_plan(pieces.flat, pieces.mesh, pieces.rank, shard_shapes)
         for send in to_send:
-            sends.append((send.to, tag, local[send.lo : send.hi].contiguous()))
+            if pieces.writes[send.param]:
+                sends.append((pieces.ranks[send.to], tag, local[send.lo : send.hi].contiguous()))
         for w in writes:
-            shape = _plan.box_shape(w.box)
-            if len(w.parts) == 1 and w.parts[0].rank == comm.rank:
+            if not pieces.writes[w.param]:
+                continue
+            shape, box = _plan.box_shape(w.box), pieces.to_global(w.box, w.param)
+            if len(w.parts) == 1 and pieces.ranks[w.parts[0].rank] == comm.rank:
                 part = w.parts[0]
-                out.append((names[w.param], w.box, local[part.src : part.src + w.size].view(shape)))
+                out.append((names[w.param], box, local[part.src : part.src + w.size].view(shape)))
                 continue
             buf = torch.empty(w.size, dtype=local.dtype, device=local.device)
             for part in w.parts:
-                if part.rank == comm.rank:
+                if pieces.ranks[part.rank] == comm.rank:
                     buf[part.lo : part.hi].copy_(local[part.src : part.src + part.hi - part.lo])
                 else:
-                    recvs.append((part.rank, tag, buf[part.lo : part.hi]))
-            out.append((names[w.param], w.box, buf.view(shape)))
+                    recvs.append((pieces.ranks[part.rank], tag, buf[part.lo : part.hi]))
+            out.append((names[w.param], box, buf.view(shape)))
     comm.exchange(sends, recvs)
     return out
 

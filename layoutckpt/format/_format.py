@@ -207,8 +207,9 @@ def _geometry_problem(
 
 def _check_grid(name: str, meta: ArrayMeta, mesh: Mesh) -> None:
     """The chunk grid is the one the spec cuts on the mesh (section 5.2): ``shard_shape[d] =
-    max(1, ceil(shape[d] / k_d))``; a dimension the spec does not split holds the whole extent,
-    except the first dimension of a row-block array (spec ``[]``), cut into blocks of any rows."""
+    max(1, ceil(shape[d] / k_d))``, or longer pieces still one per rank (a padded array's); a
+    dimension the spec does not split holds the whole extent; the first dimension may be cut
+    into shorter blocks of rows (a flat buffer's parameters are stored in row blocks)."""
     problem = _grid_problem(meta.shape, meta.shard_shape, meta.spec, mesh)
     if problem:
         raise FormatError(f"array {name!r}: {problem}; the metadata is corrupt")
@@ -226,7 +227,9 @@ def _grid_problem(shape: tuple[int, ...], shard: tuple[int, ...], spec: P, mesh:
     counts = split_counts(len(shape), spec, mesh)
     for d, (n, s, k) in enumerate(zip(shape, shard, counts)):
         expected = max(1, -(-n // k))
-        if s != expected and not (d == 0 and not len(spec) and s <= expected):
+        # A padded array's pieces are longer than torch.chunk's but still one per rank.
+        padded = k > 1 and s > expected and -(-n // s) <= k
+        if s != expected and not padded and not (d == 0 and s <= expected):
             return (
                 f"shard_shape {list(shard)} is not the grid its spec {spec.to_json()} cuts from shape "
                 f"{list(shape)} on {mesh.to_json()} (dimension {d}: expected {expected})"

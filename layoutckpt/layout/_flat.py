@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import attrs
 
 from ..base._errors import LayoutError
-from ._plan import Box
-from ._spec import Mesh, SpecEntry, entry_axes
+from ._plan import Box, box_shape, shard_box, shard_shape
+from ._spec import Mesh, P, SpecEntry, entry_axes
 
 DEFAULT_SHARD_BYTES = 8 << 20
 
@@ -44,6 +44,14 @@ def _params(params: Sequence[tuple[str, Sequence[int]]]) -> tuple[tuple[str, tup
     if len({n for n, _ in out}) != len(out):
         raise LayoutError("Flat params name a parameter twice; every parameter appears once in the order")
     return tuple(out)
+
+
+def _specs(specs: Mapping[str, P] | None) -> tuple[tuple[str, P], ...]:
+    items = tuple((specs or {}).items())
+    for name, spec in items:
+        if not isinstance(spec, P):
+            raise LayoutError(f"Flat specs: parameter {name!r} needs a P(...), got {spec!r}")
+    return items
 
 
 def _bounds(bounds: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -72,6 +80,9 @@ class Flat:
     params: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(converter=_params)
     axis: SpecEntry = attrs.field()
     bounds: tuple[int, ...] | None = attrs.field(default=None, converter=_bounds)
+    # ZeRO over tensor parallelism: the parameters split over other axes (tensor parallel), by
+    # name; the buffer then concatenates this rank's pieces of them.
+    specs: tuple[tuple[str, P], ...] = attrs.field(default=(), kw_only=True, converter=_specs)
 
     @axis.validator
     def _check_axis(self, _: object, value: object) -> None:
@@ -81,7 +92,36 @@ class Flat:
 
     def __repr__(self) -> str:
         extra = f", bounds={list(self.bounds)!r}" if self.bounds is not None else ""
+        extra += f", specs={dict(self.specs)!r}" if self.specs else ""
         return f"Flat({[(n, s) for n, s in self.params]!r}, {self.axis!r}{extra})"
+
+    def spec_of(self, param: str) -> P:
+        """How parameter ``param`` is split before it is flattened: ``P()`` unless ``specs`` says."""
+        return dict(self.specs).get(param, P())
+
+    @property
+    def within(self) -> tuple[str, ...]:
+        """The axes that split parameters before flattening (tensor parallel), in order of use."""
+        return tuple(dict.fromkeys(a for _, spec in self.specs for a in spec.axes))
+
+    def local(self, mesh: Mesh, rank: int) -> LocalFlat:
+        """This rank's flat buffer as a flat of its own pieces on the mesh without ``within``."""
+        return _local(self, mesh, rank)
+
+    def stored_shard(self, param: int, itemsize: int, mesh: Mesh, shard_bytes: int) -> tuple[int, ...]:
+        """The shard shape of parameter ``param``'s stored array: row blocks of about
+        ``shard_bytes`` that also tile every tensor-parallel piece of it."""
+        name, shape = self.params[param]
+        spec = self.spec_of(name)
+        if not spec.axes:
+            return row_shard_shape(shape, itemsize, shard_bytes)
+        piece = shard_shape(shape, spec, mesh)
+        block = row_shard_shape(piece, itemsize, shard_bytes)
+        if not block:
+            return block
+        # A block must divide the piece's rows, so that every piece starts on a block.
+        rows = next(b for b in range(block[0], 0, -1) if piece[0] % b == 0)
+        return (rows, *piece[1:])
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -111,11 +151,20 @@ class Flat:
         """Raise a ``LayoutError`` naming the flat array ``name`` unless it fits ``mesh``: every
         axis on the mesh, and ``bounds`` (if given) one more than the pieces, ending at or past
         ``total``."""
-        for a in self.axes:
+        for a in (*self.axes, *self.within):
             if a not in mesh.axis_names:
                 raise LayoutError(
                     f"flat array {name!r}: axis {a!r} is not an axis of {mesh!r}; use one of {list(mesh.axis_names)}"
                 )
+        shared = set(self.axes) & set(self.within)
+        if shared:
+            raise LayoutError(
+                f"flat array {name!r}: axes {sorted(shared)} both cut the buffer and split its parameters; "
+                "a parameter's spec names the tensor-parallel axes, the flat axis the data-parallel ones"
+            )
+        unknown = sorted(set(dict(self.specs)) - {n for n, _ in self.params})
+        if unknown:
+            raise LayoutError(f"flat array {name!r}: specs= names {unknown}, which are not among its params")
         k = self.pieces(mesh)
         if self.bounds is not None and len(self.bounds) != k + 1:
             raise LayoutError(
@@ -161,6 +210,49 @@ class Flat:
         return mesh.size // self.pieces(mesh)
 
 
+@attrs.frozen
+class LocalFlat:
+    """A rank's flat buffer seen as a flat of its tensor-parallel pieces (``Flat.local``).
+
+    ``flat`` has the pieces' shapes and lives on ``mesh``, the mesh without the tensor-parallel
+    axes, where this rank is ``rank``; ``ranks[r]`` is the full mesh's rank of its rank ``r``.
+    ``origins[p]`` is where parameter ``p``'s piece starts in the stored array; ``writes[p]``
+    says whether this rank's pieces of ``p`` are written by ranks of its coordinates (a
+    parameter replicated along a tensor-parallel axis is written at coordinate 0 only).
+    """
+
+    flat: Flat
+    mesh: Mesh
+    rank: int
+    ranks: tuple[int, ...]
+    origins: tuple[tuple[int, ...], ...]
+    writes: tuple[bool, ...]
+
+    def to_global(self, box: Box, param: int) -> Box:
+        return tuple((a + o, b + o) for (a, b), o in zip(box, self.origins[param]))
+
+
+def _local(flat: Flat, mesh: Mesh, rank: int) -> LocalFlat:
+    within = flat.within
+    coords = mesh.coords(rank)
+    if not within:
+        origins = tuple((0,) * len(shape) for _, shape in flat.params)
+        return LocalFlat(flat, mesh, rank, tuple(range(mesh.size)), origins, (True,) * len(flat.params))
+    params, origins, writes = [], [], []
+    for name, shape in flat.params:
+        spec = flat.spec_of(name)
+        box = shard_box(shape, spec, mesh, rank)
+        params.append((name, box_shape(box)))
+        origins.append(tuple(a for a, _ in box))
+        writes.append(all(coords[a] == 0 for a in within if a not in spec.axes))
+    sub = Mesh(tuple((a, n) for a, n in mesh.axes if a not in within))
+    fixed = {a: coords[a] for a in within}
+    ranks = tuple(mesh.rank_of({**sub.coords(r), **fixed}) for r in range(sub.size))
+    sub_rank = sub.rank_of({a: coords[a] for a in sub.axis_names})
+    local = Flat(params, flat.axis, flat.bounds)
+    return LocalFlat(local, sub, sub_rank, ranks, tuple(origins), tuple(writes))
+
+
 def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, elements per row) of a parameter seen as rows along its first dimension."""
     if not shape:
@@ -203,11 +295,13 @@ class ShardWrite:
 
 @attrs.frozen
 class Send:
-    """Elements ``[lo, hi)`` of this rank's buffer that ``to`` needs for a shard it writes."""
+    """Elements ``[lo, hi)`` of this rank's buffer that ``to`` needs for a shard of parameter
+    ``param`` it writes."""
 
     to: int
     lo: int
     hi: int
+    param: int = 0
 
 
 def _shards_overlapping(flat: Flat, shard_shapes: Sequence[tuple[int, ...]], lo: int, hi: int) -> Iterator[tuple]:
@@ -252,7 +346,8 @@ def save_plan(
         owner = _piece_at(flat, mesh, g0)
         if owner != piece:
             # Only the block holding this range's first element starts before it.
-            sends.append(Send(flat.rank_of(mesh, owner, replica), max(g0, start) - start, min(g1, stop) - start))
+            to = flat.rank_of(mesh, owner, replica)
+            sends.append(Send(to, max(g0, start) - start, min(g1, stop) - start, p))
             continue
         parts = []
         at, q = g0, piece

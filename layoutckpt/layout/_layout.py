@@ -18,16 +18,21 @@ import attrs
 
 from ..base._errors import LayoutError
 from ._flat import Flat
+from ._names import NameRule, Rename, Renumber, check_names, parse_names
 from ._spec import Mesh, P
+from ._views import Fused, Padded
 
-Rule = tuple[str, "P | Flat"]
+Spec = P | Flat | Fused | Padded
+Rule = tuple[str, Spec]
+# What a rule may declare for an array held by several ranks whose copies may differ.
+REPLICA_POLICIES = ("check", "first", "mean")
 
 # The keys of a [[rules]] table in a layout file; anything else is a typo, refused by name.
 RULE_KEYS = ("match", "spec", "note")
 _RULE_KEYS_TEXT = "'match' and 'spec' (and an optional 'note')"
 
 
-def _parse_rules(rules: Iterable[tuple[str, P | Flat]]) -> tuple[Rule, ...]:
+def _parse_rules(rules: Iterable[tuple[str, Spec]]) -> tuple[Rule, ...]:
     parsed: list[Rule] = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple) and len(rule) == 2):
@@ -39,10 +44,35 @@ def _parse_rules(rules: Iterable[tuple[str, P | Flat]]) -> tuple[Rule, ...]:
             re.compile(pattern)
         except re.error as err:
             raise LayoutError(f"Layout rule #{i}: pattern {pattern!r} is not a valid regex: {err}") from None
-        if not isinstance(spec, P | Flat):
-            raise LayoutError(f"Layout rule #{i} ({pattern!r}): the spec must be a P(...) or Flat(...), got {spec!r}")
+        if not isinstance(spec, P | Flat | Fused | Padded):
+            raise LayoutError(
+                f"Layout rule #{i} ({pattern!r}): the spec must be a P(...), Flat(...), Fused(...) or Padded(...), "
+                f"got {spec!r}"
+            )
         parsed.append((pattern, spec))
     return tuple(parsed)
+
+
+def _stage_axes(value: str | Iterable[str]) -> tuple[str, ...]:
+    axes = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
+        raise LayoutError(f"stages must be a mesh axis name or a tuple of distinct names, got {value!r}")
+    return axes
+
+
+def _replicas(value: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in value:
+        if not (isinstance(item, tuple | list) and len(item) == 2 and item[1] in REPLICA_POLICIES):
+            raise LayoutError(
+                f"replicas= takes (pattern, policy) pairs, policy one of {REPLICA_POLICIES}; got {item!r}"
+            )
+        try:
+            re.compile(item[0])
+        except (re.error, TypeError) as err:
+            raise LayoutError(f"replicas= pattern {item[0]!r} is not a valid regex: {err}") from None
+        out.append((item[0], item[1]))
+    return tuple(out)
 
 
 @attrs.frozen(repr=False)
@@ -60,11 +90,18 @@ class Layout:
 
     mesh: Mesh
     rules: tuple[Rule, ...] = attrs.field(converter=_parse_rules)
+    stages: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=_stage_axes)
+    names: tuple[NameRule, ...] = attrs.field(default=(), kw_only=True, converter=parse_names)
+    replicas: tuple[tuple[str, str], ...] = attrs.field(default=(), kw_only=True, converter=_replicas)
     _compiled: tuple[re.Pattern[str], ...] = attrs.field(init=False, eq=False, hash=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
             raise LayoutError(f"Layout needs a Mesh, got {self.mesh!r}")
+        check_names(self.names, self.mesh)
+        for axis in self.stages:
+            if axis not in self.mesh.axis_names:
+                raise LayoutError(f"stages names axis {axis!r}, which {self.mesh!r} does not have")
         for pattern, spec in self.rules:
             for j, axis in enumerate(spec.axes):
                 if axis in spec.axes[:j]:
@@ -91,7 +128,18 @@ class Layout:
                 return rule
         return None
 
-    def spec_for(self, name: str) -> P | Flat:
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """The axes whose ranks hold different names: ``stages`` and every ``Renumber``'s axis,
+        in mesh order."""
+        named = set(self.stages) | {r.axis for r in self.names if isinstance(r, Renumber)}
+        return tuple(a for a in self.mesh.axis_names if a in named)
+
+    def replica_policy(self, name: str) -> str | None:
+        """The declared policy for copies of ``name`` held by several ranks, or None."""
+        return next((policy for pattern, policy in self.replicas if re.search(pattern, name)), None)
+
+    def spec_for(self, name: str) -> Spec:
         """The spec of the array named ``name``: that of the first rule whose pattern matches it.
 
         Raises ``LayoutError`` if no rule matches (end the rules with ``(r".*", P())`` to
@@ -107,7 +155,12 @@ class Layout:
 
     def __repr__(self) -> str:
         rules = ", ".join(f"({p!r}, {s!r})" for p, s in self.rules)
-        return f"Layout({self.mesh!r}, [{rules}])"
+        extra = "".join(
+            f", {key}={value!r}"
+            for key, value in (("stages", self.stages), ("names", list(self.names)), ("replicas", list(self.replicas)))
+            if value
+        )
+        return f"Layout({self.mesh!r}, [{rules}]{extra})"
 
     @property
     def spec_rules(self) -> tuple[tuple[str, P], ...]:
@@ -182,22 +235,80 @@ class Layout:
                 raise LayoutError(f"{source}: rule #{i} lacks 'match'; a rule is a table with keys {_RULE_KEYS_TEXT}")
             parsed.append((rule["match"], parse_spec(rule.get("spec", "P()"), f"{source}: rule #{i}")))
         try:
-            return cls(mesh, parsed)
+            return cls(
+                mesh,
+                parsed,
+                stages=doc.get("stages", ()),
+                names=_toml_names(doc.get("names", []), source),
+                replicas=[
+                    (r.get("match"), r.get("policy")) for r in _tables(doc.get("replicas", []), "replicas", source)
+                ],
+            )
         except LayoutError as err:
             raise LayoutError(f"{source}: {err}") from None
 
 
-def parse_spec(text: str, where: str = "spec") -> P:
-    """Parse ``"P('tp', None)"`` safely: only string, None and tuple literals are accepted."""
+def _tables(value: object, key: str, source: str) -> list[dict[str, Any]]:
+    if not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
+        raise LayoutError(f"{source}: [[{key}]] must be an array of tables, got {value!r}")
+    return value
+
+
+_NAME_KEYS = {"renumber": ("renumber", "axis", "per", "starts", "note"), "rename": ("rename", "to", "note")}
+
+
+def _toml_names(value: object, source: str) -> list[NameRule]:
+    """The ``[[names]]`` tables: ``{renumber = regex, axis = "pp", per = 4}`` (or ``starts``) and
+    ``{rename = regex, to = replacement}``."""
+    out: list[NameRule] = []
+    for i, table in enumerate(_tables(value, "names", source)):
+        kind = "renumber" if "renumber" in table else "rename" if "rename" in table else None
+        unknown = [k for k in table if kind is None or k not in _NAME_KEYS[kind]]
+        if kind is None or unknown:
+            raise LayoutError(
+                f"{source}: names #{i} must be {{renumber = '<regex>', axis = '<axis>', per = N}} (or starts = [...]) "
+                f"or {{rename = '<regex>', to = '<replacement>'}}; got keys {sorted(table)}"
+            )
+        if kind == "renumber":
+            out.append(Renumber(table["renumber"], table.get("axis", ""), table.get("per"), table.get("starts")))
+        else:
+            out.append(Rename(table["rename"], table.get("to", "")))
+    return out
+
+
+def parse_spec(text: str, where: str = "spec") -> P | Fused | Padded:
+    """Parse ``"P('tp', None)"``, ``"Fused(P('tp'), [('gate', 64), ('up', 64)])"`` or
+    ``"Padded(P('tp'), 50257)"`` safely: only those calls and literals are accepted."""
+    shape_hint = "must look like \"P('tp', None)\", \"Fused(P('tp'), [('q', 64), ('k', 16)], groups=2)\" or \"Padded(P('tp'), 50257)\""
     try:
         node = ast.parse(text.strip(), mode="eval").body if isinstance(text, str) else None
     except SyntaxError:
         node = None
-    if not (
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "P" and not node.keywords
-    ):
-        raise LayoutError(f"{where}: spec {text!r} must look like \"P('tp', None)\" or \"P(('dp', 'tp'))\"")
     try:
-        return P(*(ast.literal_eval(arg) for arg in node.args))
-    except (ValueError, LayoutError) as err:
+        spec = _build_spec(node)
+    except (ValueError, TypeError, LayoutError) as err:
         raise LayoutError(f"{where}: spec {text!r} is not valid: {err}") from None
+    if spec is None:
+        raise LayoutError(f"{where}: spec {text!r} {shape_hint}")
+    return spec
+
+
+_SPEC_CALLS: dict[str, Any] = {"P": P, "Fused": Fused, "Padded": Padded}
+
+
+def _build_spec(node: ast.AST | None) -> Any:
+    """The spec a parsed call builds: ``P``, ``Fused`` or ``Padded`` with literal arguments (a
+    ``P(...)`` call inside the other two); None where ``node`` is anything else."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SPEC_CALLS):
+        return None
+    kind = node.func.id
+    if kind == "P" and node.keywords:
+        return None
+
+    def value(arg: ast.AST) -> Any:
+        inner = _build_spec(arg) if kind != "P" else None
+        return inner if inner is not None else ast.literal_eval(arg)
+
+    args = [value(a) for a in node.args]
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+    return _SPEC_CALLS[kind](*args, **kwargs)

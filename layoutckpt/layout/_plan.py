@@ -25,9 +25,10 @@ from ._spec import Mesh, P, SpecEntry, entry_axes
 Box = tuple[tuple[int, int], ...]
 
 
-def split_range(n: int, k: int, i: int) -> tuple[int, int]:
-    """The ``i``-th of ``k`` pieces of ``range(n)``, as ``torch.chunk`` cuts it."""
-    piece = -(-n // k)
+def split_range(n: int, k: int, i: int, piece: int | None = None) -> tuple[int, int]:
+    """The ``i``-th of ``k`` pieces of ``range(n)``, as ``torch.chunk`` cuts it; with ``piece``,
+    pieces of that length instead (a padded array's), clipped at ``n``."""
+    piece = -(-n // k) if piece is None else piece
     start = min(i * piece, n)
     return start, min(start + piece, n)
 
@@ -45,17 +46,22 @@ def split_counts(ndim: int, spec: P, mesh: Mesh) -> tuple[int, ...]:
     return tuple(math.prod(mesh.axis_size(a) for a in entry_axes(e)) for e in spec.padded(ndim))
 
 
-def shard_box(shape: Sequence[int], spec: P, mesh: Mesh, rank: int) -> Box:
-    """The box of the global array that ``rank`` holds under ``spec``."""
-    return _shard_box(tuple(shape), spec, mesh, rank)
+def shard_box(shape: Sequence[int], spec: P, mesh: Mesh, rank: int, shard: Sequence[int] | None = None) -> Box:
+    """The box of the global array that ``rank`` holds under ``spec``; ``shard`` gives the
+    pieces' lengths where they are not ``torch.chunk``'s (a padded array's)."""
+    return _shard_box(tuple(shape), spec, mesh, rank, None if shard is None else tuple(shard))
 
 
 # Layers repeat a handful of (shape, spec) pairs, and a save and a load each ask for every
 # array's box: cached, that is a lookup (P and Mesh are frozen, hashable values).
 @functools.lru_cache(maxsize=16384)
-def _shard_box(shape: tuple[int, ...], spec: P, mesh: Mesh, rank: int) -> Box:
+def _shard_box(shape: tuple[int, ...], spec: P, mesh: Mesh, rank: int, shard: tuple[int, ...] | None) -> Box:
     coords = mesh.coords(rank)
-    return tuple(split_range(n, *entry_split(e, mesh, coords)) for n, e in zip(shape, spec.padded(len(shape))))
+    pieces = shard if shard is not None else (None,) * len(shape)
+    return tuple(
+        split_range(n, *entry_split(e, mesh, coords), piece)
+        for n, e, piece in zip(shape, spec.padded(len(shape)), pieces)
+    )
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
@@ -66,8 +72,10 @@ def box_size(box: Box) -> int:
     return math.prod(box_shape(box))
 
 
-def shard_shape(shape: Sequence[int], spec: P, mesh: Mesh) -> tuple[int, ...]:
+def shard_shape(shape: Sequence[int], spec: P, mesh: Mesh, shard: Sequence[int] | None = None) -> tuple[int, ...]:
     """The regular chunk grid whose chunks are exactly the boxes (at least 1 along each dim)."""
+    if shard is not None:
+        return tuple(max(1, s) for s in shard)
     return tuple(max(1, -(-n // k)) for n, k in zip(shape, split_counts(len(shape), spec, mesh)))
 
 
@@ -161,14 +169,21 @@ def _chunk_shape_for(outer: tuple[int, ...], itemsize: int, inner_chunk_bytes: i
 
 
 def global_shape_from_sums(
-    name: str, spec: P, mesh: Mesh, sums: Sequence[int], mins: Sequence[int], maxs: Sequence[int]
+    name: str,
+    spec: P,
+    mesh: Mesh,
+    sums: Sequence[int],
+    mins: Sequence[int],
+    maxs: Sequence[int],
+    holders: int | None = None,
 ) -> tuple[int, ...]:
     """Recover the global shape from the sums, minima and maxima of every rank's local shape.
 
-    Every piece of a split dimension is held by ``world / k`` ranks, so the global size is the
-    sum of local sizes divided by that; an unsplit dimension must be the same on every rank.
+    Every piece of a split dimension is held by ``holders / k`` ranks (``holders``: the ranks
+    holding the array, all by default), so the global size is the sum of local sizes divided by
+    that; an unsplit dimension must be the same on every rank holding it.
     """
-    world = mesh.size
+    world = mesh.size if holders is None else holders
     shape = []
     for d, (k, total, lo, hi) in enumerate(zip(split_counts(len(sums), spec, mesh), sums, mins, maxs)):
         if k == 1:
@@ -199,6 +214,11 @@ class ArraySpec:
     itemsize: int
     # The mesh the spec names, where it is not the layout's (a DTensor's own mesh); same size.
     mesh: Mesh | None = None
+    # The pieces' lengths, where they are not torch.chunk's (a padded array's).
+    shard: tuple[int, ...] | None = None
+    # Where names differ along ``stage_axes``: the stage coordinates holding the array (None: all).
+    stage_axes: tuple[str, ...] = ()
+    stages: tuple[tuple[int, ...], ...] | None = None
 
 
 def _piece_ids(a: ArraySpec, mesh: Mesh, coords: np.ndarray) -> np.ndarray:
@@ -240,12 +260,29 @@ def _replicas(mesh: Mesh, axes: tuple[str, ...]) -> np.ndarray:
     return np.arange(mesh.size, dtype=np.int64).reshape(sizes).transpose(order).reshape(pieces, -1)
 
 
+def _holders(
+    group: np.ndarray, mesh: Mesh, axes: tuple[str, ...], stages: tuple[tuple[int, ...], ...] | None
+) -> np.ndarray:
+    """The replicas of ``_replicas`` that hold the array: all, or those at the ``stages``
+    coordinates of the stage ``axes`` (which a stage-held array's spec never names, so every
+    row has its replicas at the same stage coordinates)."""
+    if stages is None:
+        return group
+    sizes = [size for _, size in mesh.axes]
+    coords = np.unravel_index(group[0], sizes)
+    at = np.stack([coords[mesh.axis_names.index(a)] for a in axes], axis=1)
+    held = np.array([tuple(row) in set(stages) for row in at.tolist()], dtype=bool)
+    return group[:, held]
+
+
 def _piece_bytes(a: ArraySpec, mesh: Mesh) -> np.ndarray:
     """The bytes of every piece of ``a``, by piece index (see ``_piece_ids``)."""
     nbytes = np.full(1, a.itemsize, dtype=np.int64)
-    for n, k in zip(a.shape, split_counts(len(a.shape), a.spec, mesh)):
-        starts = np.minimum(np.arange(k, dtype=np.int64) * -(-n // k), n)
-        lengths = np.minimum(starts + -(-n // k), n) - starts
+    pieces = a.shard if a.shard is not None else (None,) * len(a.shape)
+    for n, k, piece in zip(a.shape, split_counts(len(a.shape), a.spec, mesh), pieces):
+        piece = -(-n // k) if piece is None else piece
+        starts = np.minimum(np.arange(k, dtype=np.int64) * piece, n)
+        lengths = np.minimum(starts + piece, n) - starts
         nbytes = np.multiply.outer(nbytes, lengths).reshape(-1)
     return nbytes
 
@@ -265,9 +302,9 @@ def _assign(arrays: tuple[ArraySpec, ...], mesh: Mesh) -> tuple[np.ndarray, ...]
     members, nbytes, blocks = [], [], []
     for index, a in enumerate(arrays):
         m = a.mesh or mesh
-        key = (m, a.spec.axes)
+        key = (m, a.spec.axes, a.stage_axes, a.stages)
         if key not in replicas:
-            replicas[key] = _replicas(m, a.spec.axes)
+            replicas[key] = _holders(_replicas(m, a.spec.axes), m, a.stage_axes, a.stages)
         members.append(replicas[key])
         shape = (tuple(a.shape), a.spec, a.itemsize, m)
         if shape not in sizes:
@@ -338,7 +375,7 @@ def writes_of(arrays: Sequence[ArraySpec], mesh: Mesh, rank: int) -> list[tuple[
         if m not in coords:
             coords[m] = m.coords(rank)
         if by_piece[_piece_index(a.spec, m, coords[m])] == rank:
-            out.append((index, shard_box(a.shape, a.spec, m, rank)))
+            out.append((index, shard_box(a.shape, a.spec, m, rank, a.shard)))
     return out
 
 

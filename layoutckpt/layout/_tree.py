@@ -218,6 +218,32 @@ def nested(prefix: str, names: list[str]) -> Any:
     return build(root)
 
 
+def tree_of(nodes: Mapping[str, Any]) -> Any:
+    """A tree of nested dicts whose leaf at each dotted name is its node (global names' tree)."""
+    root: dict[str, Any] = {}
+    groups = {id(root)}
+    for name, leaf in nodes.items():
+        node = root
+        parts = name.split(".")
+        for part in parts[:-1]:
+            if part not in node:
+                node[part] = {}
+                groups.add(id(node[part]))
+            node = node[part]
+            if id(node) not in groups:
+                raise InvalidNameError(f"{name!r} lies under the leaf {part!r}; rename one of them")
+        if parts[-1] in node:
+            raise InvalidNameError(f"{name!r} is also the parent of other leaves; rename one of them")
+        node[parts[-1]] = leaf
+
+    def build(node: Any) -> Any:
+        if id(node) in groups:
+            return {"dict": [[k, build(v)] for k, v in node.items()]}
+        return node
+
+    return build(root)
+
+
 def rewrite(structure: Any, visit: Callable[[Mapping[str, Any], str], Any]) -> Any:
     """The tree with every node for which ``visit(node, name)`` returns a node replaced by it.
 

@@ -97,6 +97,31 @@ class Comm:
         self._let_go(mine, *bufs)
         return [bytes(b.cpu().numpy()[: int(s.item())].tobytes()) for b, s in zip(bufs, sizes)]
 
+    def all_reduce_tensor(self, t: torch.Tensor) -> None:
+        """Sum ``t`` over the group, in place."""
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+            self._let_go(t)
+
+    def broadcast_many(self, sources: Sequence[int], data: bytes | None) -> list[bytes]:
+        """What each rank of ``sources`` passes as ``data`` (others pass None), on every rank:
+        one all-reduce of the lengths, then one broadcast per source, whatever the world size."""
+        if self.world == 1:
+            return [data or b""] * len(sources)
+        lengths = self.all_reduce([len(data or b"") if self.rank == r else 0 for r in sources], "max")
+        out = []
+        for src, n in zip(sources, lengths):
+            if n == 0:
+                out.append(b"")
+                continue
+            buf = torch.zeros(n, dtype=torch.uint8, device=self.device)
+            if self.rank == src:
+                buf.copy_(torch.frombuffer(bytearray(data or b""), dtype=torch.uint8))
+            dist.broadcast(buf, group=self.group, group_src=src)
+            self._let_go(buf)
+            out.append(bytes(buf.cpu().numpy().tobytes()))
+        return out
+
     def barrier(self) -> None:
         if self.world > 1:
             self.all_reduce([0], "max")
