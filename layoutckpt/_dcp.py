@@ -40,7 +40,7 @@ import attrs
 import numpy as np
 
 from . import _importing as importing
-from ._save import commit_everywhere
+from ._commit import commit_everywhere
 from .base._errors import FormatError, InvalidNameError
 from .base._options import DEFAULT_IO, IOConfig
 from .format import _hierarchy as hierarchy

@@ -255,7 +255,8 @@ def _targets(
         if spec is not None:
             flats[name] = _plan_flat(gname, spec, layout.mesh, comm.rank, meta.arrays, target)
             continue
-        view = layout.spec_for(gname) if user_layout is not None and target is not None else None
+        rule = layout.rule_for(gname) if user_layout is not None and target is not None else None
+        view = rule[1] if rule is not None else None
         if isinstance(view, Fused | Padded) and not is_dtensor(target):
             composites[name] = _plan_view(gname, view, target, meta, layout.mesh, comm.rank)
             continue

@@ -94,7 +94,8 @@ def localize(pieces: list[Piece], layout: Layout | None, mesh: Mesh, rank: int) 
     out: list[Piece] = []
     for p in pieces:
         name = names[p.local]
-        spec = _spec(layout, name)
+        # A DTensor's placements say how it is split: it needs no rule, and may match none.
+        spec = _spec(layout, name) if p.dtensor is None else _rule_spec(layout, name)
         if isinstance(spec, Fused | Padded) and p.dtensor is not None:
             raise LayoutError(
                 f"array {name!r}: a {type(spec).__name__} rule matches a DTensor; declare it on the local "
@@ -112,6 +113,11 @@ def localize(pieces: list[Piece], layout: Layout | None, mesh: Mesh, rank: int) 
 
 def _spec(layout: Layout | None, name: str) -> Any:
     return layout.spec_for(name) if layout is not None else P()
+
+
+def _rule_spec(layout: Layout, name: str) -> Any:
+    rule = layout.rule_for(name)
+    return rule[1] if rule is not None else None
 
 
 def _cut(p: Piece, name: str, cut: Cut, spec: P) -> Piece:

@@ -12,7 +12,6 @@ caller's thread, from the live tensors. What one call was asked for travels as o
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 import threading
@@ -20,9 +19,11 @@ import time
 from typing import Any, Unpack
 
 import attrs
-import numpy as np
 
 from . import _rankstate
+from ._agreement import agree, call_of, describe_call_disagreement, describe_disagreement
+from ._commit import commit_everywhere
+from ._flatsave import check_flat, expand_flats, flat_names, flat_writes
 from ._pieces import Piece, localize, padded_shard, pieces_of, source_of, tie, tree_nodes, uses_views
 from ._stages import join, reconcile
 from .base import _faults
@@ -33,13 +34,13 @@ from .base._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
 from .base._options import SaveAsyncKeywords, SaveKeywords, SaveOptions, options_of
 from .base._version import __version__
 from .format import _hierarchy as hierarchy
-from .format._format import ArrayMeta, CheckpointMeta, root_document
+from .format._format import ArrayMeta, CheckpointMeta
 from .format._hierarchy import check_user_metadata
 from .layout import _flat, _plan
 from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._spec import Mesh, P, check_spec
-from .layout._tree import check_no_prefix_clash, flatten, name_to_path, nested, replace_leaf, tree_of
+from .layout._tree import check_no_prefix_clash, flatten, name_to_path, tree_of
 from .storage._commit import new_token
 from .storage._location import Location, locate
 from .torch._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
@@ -69,22 +70,6 @@ class SaveResult:
     blocked_seconds: float = 0.0
     staged_bytes: int = 0
     metrics: Metrics | None = attrs.field(default=None, repr=False)
-
-
-def _agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[list[int], list[int]]:
-    """Exchange success and ``words`` in one collective; if any rank failed, all raise.
-
-    The failing rank re-raises its own error; the others raise one that names it, so no rank is
-    left waiting in a collective its peers have abandoned.
-    """
-    hi, lo = comm.all_max_min([1 if error else 0, *words])
-    if hi[0]:
-        messages = comm.all_gather_bytes(f"{type(error).__name__}: {error}".encode() if error else b"")
-        if error is not None:
-            raise error
-        failed = [f"rank {r}: {m.decode()}" for r, m in enumerate(messages) if m]
-        raise InconsistentShardsError("save refused on other ranks, nothing was written: " + "; ".join(failed))
-    return hi[1:], lo[1:]
 
 
 @attrs.frozen
@@ -236,9 +221,9 @@ def _check_locally(
             assert layout is not None
             nodes = tree_nodes(structure, pieces, flats, layout, mesh, comm.rank)
         elif flats:
-            structure = _expand_flats(structure, flats)
+            structure = expand_flats(structure, flats)
         if flats:
-            check_no_prefix_clash([a.name for a in arrays] + [n for f, spec in flats for n in _flat_names(f, spec)])
+            check_no_prefix_clash([a.name for a in arrays] + [n for f, spec in flats for n in flat_names(f, spec)])
         check_user_metadata(options.metadata)
         rank_doc = None
         if options.rank_state is not None:
@@ -249,7 +234,7 @@ def _check_locally(
             final.check_destination(options.overwrite)
         if comm.rank == 0:
             final.prepare()
-    except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
+    except Exception as err:  # noqa: BLE001 - re-raised by agree() on every rank
         return _Checked(mesh, error=err)
     return _Checked(mesh, structure, arrays, shardings, flats, rank_doc, nodes=nodes)
 
@@ -268,7 +253,7 @@ def _shardings(
             continue
         spec = a.spec
         if isinstance(spec, Flat):
-            flats.append((a, _check_flat(a, spec, mesh, comm.rank)))
+            flats.append((a, check_flat(a, spec, mesh, comm.rank)))
             continue
         check_spec(spec, mesh, len(a.shape), a.name, a.shape)
         shardings.append((mesh, spec))
@@ -292,7 +277,7 @@ def _with_views(comm: Comm, checked: _Checked, layout: Layout | None) -> _Checke
         if failed:
             return checked
         tree = tree_of(j.nodes)
-    except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
+    except Exception as err:  # noqa: BLE001 - re-raised by agree() on every rank
         return checked if checked.error else attrs.evolve(checked, error=err)
     return attrs.evolve(checked, structure=tree, arrays=j.arrays, shardings=j.shardings, holders=j.holders)
 
@@ -333,16 +318,16 @@ def _agree_on_plan(
     )
     key = None if checked.error else what.key(comm)
     cached = _PLANS.get(key)
-    call = _call_of(final, options)
+    call = call_of(final, options)
     words = [*digest(agreed), sum(len(a.shape) for a in arrays), *digest(sorted(call.items()))]
     # Two more words ride on this collective: the save that made each rank's cached plan (-1
     # for none), and rank 0's random token, which names the temporary directory.
     token_word = new_token() if comm.rank == 0 else 0
-    hi, lo = _agree(comm, checked.error, [*words, cached.token if cached else -1, token_word])
+    hi, lo = agree(comm, checked.error, [*words, cached.token if cached else -1, token_word])
     if hi[: len(words) - 2] != lo[: len(words) - 2]:
-        raise InconsistentShardsError(_describe_disagreement(comm, signature))
+        raise InconsistentShardsError(describe_disagreement(comm, signature))
     if hi[len(words) - 2 : len(words)] != lo[len(words) - 2 : len(words)]:
-        raise InconsistentShardsError(_describe_call_disagreement(comm, call))
+        raise InconsistentShardsError(describe_call_disagreement(comm, call))
     token = hi[-1]
     if cached is None or hi[-2] != lo[-2]:
         cached = _plan_globally(comm, what, token)
@@ -381,7 +366,7 @@ def _job(
     sources = [source_of(checked.arrays[i]) for i, _ in planned.regular]
     # Boundary fragments travel now, on the caller's thread: the process group is free, and
     # each rank sends at most one row block's fragment per flat buffer.
-    for name, box, data in _flat_writes(comm, checked.flats, planned.flat_shards, checked.mesh):
+    for name, box, data in flat_writes(comm, checked.flats, planned.flat_shards, checked.mesh):
         mine.append((name, box))
         sources.append(data)
     operation = "save_async" if copy else "save"
@@ -529,7 +514,7 @@ def _plan_globally(comm: Comm, what: _ToPlan, token: int) -> _Planned:
         _check_shards(comm.rank, what, plan_arrays)
     except InconsistentShardsError as err:
         error = err
-    _agree(comm, error, [])
+    agree(comm, error, [])
     return _Planned(token, metas, _plan.writes_of(plan_arrays, what.mesh, comm.rank), flat_shards)
 
 
@@ -571,7 +556,7 @@ def _flat_metas(what: _ToPlan, metas: dict[str, ArrayMeta]) -> list[list[tuple[i
     flat_shards: list[list[tuple[int, ...]]] = []
     for a, spec in what.flats:
         flat_shards.append([])
-        for index, (stored, (param, shape)) in enumerate(zip(_flat_names(a, spec), spec.params)):
+        for index, (stored, (param, shape)) in enumerate(zip(flat_names(a, spec), spec.params)):
             outer = spec.stored_shard(index, a.itemsize, what.mesh, _flat.DEFAULT_SHARD_BYTES)
             flat_shards[-1].append(outer)
             metas[stored] = what.meta(stored, a, shape, outer, spec=spec.spec_of(param))
@@ -592,80 +577,6 @@ def _check_shards(rank: int, what: _ToPlan, plan_arrays: list[_plan.ArraySpec]) 
                 f"{mesh!r} (as torch.chunk would), gives this rank {expected}; check that every "
                 "rank passes its own shard of the same tensor"
             )
-
-
-def _flat_names(a: Piece, spec: Flat) -> list[str]:
-    """The stored names of a flat buffer's parameters: under the buffer's own name."""
-    return [f"{a.name}.{param}" for param, _ in spec.params]
-
-
-def _check_flat(a: Piece, spec: Flat, mesh: Mesh, rank: int) -> Flat:
-    spec.check(mesh, a.name)
-    local = spec.local(mesh, rank)
-    piece, _ = local.flat.piece_of(local.mesh, local.rank)
-    start, stop = local.flat.piece_range(local.mesh, piece)
-    if len(a.shape) != 1 or a.shape[0] != stop - start:
-        pieces = " (of its tensor-parallel pieces)" if spec.within else ""
-        raise InconsistentShardsError(
-            f"flat array {a.name!r}: rank {rank} holds shape {a.shape}, but {spec!r} on {mesh!r} gives it "
-            f"elements [{start}, {stop}) of the {local.flat.total} concatenated{pieces}, a 1-D buffer of "
-            f"{stop - start}; pass each rank's own flat buffer, or declare its bounds"
-        )
-    return spec
-
-
-def _expand_flats(structure: Any, flats: list[tuple[Piece, Flat]]) -> Any:
-    """Each flat buffer's leaf becomes the tree of its parameters, stored as arrays of their own."""
-    for a, spec in flats:
-        structure = replace_leaf(structure, a.name, nested(a.name, [p for p, _ in spec.params]))
-    return structure
-
-
-def _flat_writes(
-    comm: Comm, flats: list[tuple[Piece, Flat]], shards: list[list[tuple[int, ...]]], mesh: Mesh
-) -> list[tuple[str, _plan.Box, Any]]:
-    """(stored name, box, data) of the row blocks this rank writes for its flat buffers.
-
-    Blocks inside this rank's range are views of its buffer; the others are assembled from it
-    and from the fragments the neighbouring ranks send, all exchanged in one batch.
-    """
-    if not flats:
-        return []
-    import torch
-
-    from .torch._tensors import from_numpy
-
-    out: list[tuple[str, _plan.Box, Any]] = []
-    sends: list[tuple[int, int, Any]] = []
-    recvs: list[tuple[int, int, Any]] = []
-    for tag, ((a, spec), shard_shapes) in enumerate(zip(flats, shards)):
-        local = a.source if isinstance(a.source, torch.Tensor) else from_numpy(np.ascontiguousarray(a.source), a.dtype)
-        local = local.detach()
-        names = _flat_names(a, spec)
-        # Over tensor-parallel pieces, the plan is that of this rank's pieces on the mesh without
-        # the tensor-parallel axes; its ranks and boxes are mapped back to the full mesh's.
-        pieces = spec.local(mesh, comm.rank)
-        writes, to_send = _flat.save_plan(pieces.flat, pieces.mesh, pieces.rank, shard_shapes)
-        for send in to_send:
-            if pieces.writes[send.param]:
-                sends.append((pieces.ranks[send.to], tag, local[send.lo : send.hi].contiguous()))
-        for w in writes:
-            if not pieces.writes[w.param]:
-                continue
-            shape, box = _plan.box_shape(w.box), pieces.to_global(w.box, w.param)
-            if len(w.parts) == 1 and pieces.ranks[w.parts[0].rank] == comm.rank:
-                part = w.parts[0]
-                out.append((names[w.param], box, local[part.src : part.src + w.size].view(shape)))
-                continue
-            buf = torch.empty(w.size, dtype=local.dtype, device=local.device)
-            for part in w.parts:
-                if pieces.ranks[part.rank] == comm.rank:
-                    buf[part.lo : part.hi].copy_(local[part.src : part.src + part.hi - part.lo])
-                else:
-                    recvs.append((pieces.ranks[part.rank], tag, buf[part.lo : part.hi]))
-            out.append((names[w.param], box, buf.view(shape)))
-    comm.exchange(sends, recvs)
-    return out
 
 
 def _quietly(fn: Any) -> Any:
@@ -759,131 +670,3 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
         for item in items:
             item.release()
     return written
-
-
-def commit_everywhere(
-    comm: Comm | StoreComm, tmp: Location, final: Location, meta: CheckpointMeta, failure: bytes, overwrite: bool
-) -> None:
-    """Commit only if every rank wrote all it had to; otherwise remove the partial data. Every
-    writer of a checkpoint (``save``, ``import_dcp``) ends with it, so all commit alike."""
-    _faults.point("save.agree", rank=comm.rank)
-    try:
-        (failed,) = comm.all_reduce([1 if failure else 0], "max")
-    except BaseException:
-        if comm.rank == 0:
-            _discard_quietly(tmp)  # a rank is missing: no rank has agreed, nothing will commit
-        raise
-    if failed:
-        messages = comm.all_gather_bytes(failure)
-        if comm.rank == 0:
-            tmp.discard()
-        comm.barrier()
-        comm.finish()
-        detail = "; ".join(f"rank {r}: {m.decode()}" for r, m in enumerate(messages) if m)
-        raise SaveError(f"saving {final.url!r} failed, nothing was committed: {detail}")
-    _faults.point("save.agreed", rank=comm.rank, staging=tmp.url, final=final.url)
-    status = b""
-    if comm.rank == 0:
-        try:
-            # Every rank made its part durable before it reported success (in ``_write``).
-            final.commit(tmp, root_document(meta), overwrite=overwrite)
-        except Exception as err:  # noqa: BLE001 - broadcast to every rank below
-            tmp.discard()
-            status = f"{type(err).__name__}: {err}".encode()
-    try:
-        status = comm.broadcast_bytes(status if comm.rank == 0 else None)
-    except Exception:
-        # Rank 0 knows its own outcome; another rank that cannot hear it looks at the path.
-        if comm.rank != 0 and not _committed_by_this_save(tmp, final, overwrite):
-            raise
-    comm.finish()
-    if status:
-        raise SaveError(f"committing {final.url!r} failed on rank 0: {status.decode()}")
-    _faults.point("save.committed", rank=comm.rank, final=final.url)
-
-
-def _discard_quietly(tmp: Location) -> None:
-    try:
-        tmp.discard()
-    except Exception:  # noqa: BLE001 - a leftover the next manager start (or the next save) removes
-        pass
-
-
-def _committed_by_this_save(tmp: Location, final: Location, overwrite: bool) -> bool:
-    """Whether ``final`` holds the checkpoint this save committed, for a rank that lost rank 0
-    after the ranks agreed. Without ``overwrite`` the destination held no committed checkpoint
-    when the save began, so one there now is this save's; a local save's staging directory is
-    then gone (renamed into place). With ``overwrite`` the old checkpoint may still be there."""
-    try:
-        return not overwrite and final.committed() and not (final.is_local and tmp.exists())
-    except Exception:  # noqa: BLE001 - unknowable here: the broadcast's error stands
-        return False
-
-
-def _call_of(final: Location, options: SaveOptions) -> dict[str, Any]:
-    """What every rank must pass alike besides the state: the destination, the step, the
-    metadata (only rank 0's is stored) and how arrays are stored (each rank writes part of it)."""
-    try:
-        metadata = json.dumps(options.metadata, sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError):
-        metadata = repr(options.metadata)  # refused by the local checks on this rank
-    return {
-        "path": final.url,
-        "step": options.step,
-        "metadata": metadata,
-        "overwrite": options.overwrite,
-        "inner_chunk_bytes": options.inner_chunk_bytes,
-        "compression": options.compression,
-    }
-
-
-def _describe_call_disagreement(comm: Comm, call: dict[str, Any]) -> str:
-    """Which rank passed which path, step, metadata or storage option unlike rank 0."""
-    everyone = [json.loads(raw) for raw in comm.all_gather_bytes(json.dumps(call).encode())]
-    parts = []
-    for r, other in enumerate(everyone[1:], start=1):
-        for field, value in other.items():
-            if value != everyone[0][field] and len(parts) < 3:
-                parts.append(f"{field} {everyone[0][field]!r} on rank 0 but {value!r} on rank {r}")
-    return (
-        "ranks disagree about where or how to save, and nothing was written: "
-        + "; ".join(parts)
-        + "; every rank must pass the same path, step, metadata, overwrite, inner_chunk_bytes and compression "
-        "(per-rank values go in rank_state=)"
-    )
-
-
-def _describe_disagreement(comm: Comm, signature: list[Any]) -> str:
-    mine = repr(signature).encode()
-    everyone = comm.all_gather_bytes(mine)
-    differing = [r for r, s in enumerate(everyone) if s != everyone[0]]
-    if not differing:
-        return (
-            "ranks hold the same arrays but different JSON values, tree structure, or rank_state "
-            "presence; non-tensor leaves must be equal on every rank (per-rank values go in "
-            "rank_state=, which every rank passes or none)"
-        )
-    r = differing[0]
-    first = dict((n, (d, k, s)) for n, d, k, s in eval_signature(everyone[0]))
-    other = dict((n, (d, k, s)) for n, d, k, s in eval_signature(everyone[r]))
-    only0 = sorted(set(first) - set(other))[:3]
-    onlyr = sorted(set(other) - set(first))[:3]
-    changed = [n for n in first if n in other and first[n] != other[n]][:3]
-    parts = []
-    if only0:
-        parts.append(f"arrays only on rank 0: {only0}")
-    if onlyr:
-        parts.append(f"arrays only on rank {r}: {onlyr}")
-    for n in changed:
-        parts.append(f"array {n!r} is (dtype, ndim, spec) {first[n]} on rank 0 but {other[n]} on rank {r}")
-    return (
-        "ranks disagree about the state to save: "
-        + "; ".join(parts)
-        + "; every rank must pass the same names, dtypes and ranks, and the same layout"
-    )
-
-
-def eval_signature(raw: bytes) -> list[tuple[str, str, int, str]]:
-    import ast
-
-    return [tuple(x) for x in ast.literal_eval(raw.decode())]

@@ -116,7 +116,10 @@ def _differs(name: str, axes: Sequence[str], a: Coords, b: Coords, first: Any, s
     bt = ", ".join(f"{axis}={c}" for axis, c in zip(axes, b))
     return (
         f"array {name!r} is {first} on the ranks at {at} but {second} on those at {bt}; a name held by "
-        "several stages must be the same array on each (same dtype, shape and spec, or the same value)"
+        "several stages must be the same array on each (same dtype, shape and spec, or the same value). "
+        "Values that differ per stage, such as an optimizer's param_groups listing each stage's "
+        "parameters, go per parameter (StateDictOptions(flatten_optimizer_state_dict=True), as "
+        "torchtitan saves) or in rank_state="
     )
 
 

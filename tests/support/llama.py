@@ -2,13 +2,14 @@
 
 Token embedding, blocks of (RMSNorm, causal attention with bias-free q/k/v/o projections,
 RMSNorm, SwiGLU MLP), a final RMSNorm and an output projection tied to the embedding, as in
-small Llamas. Dimensions are tiny so that training a few steps on CPU takes milliseconds.
+small Llamas (``Config(tied=False)`` gives the output projection a weight of its own).
+Dimensions are tiny so that training a few steps on CPU takes milliseconds.
 
 Parallelisms, as torchtitan applies them:
 
 - ``apply_fsdp(model, mesh)``: FSDP2 ``fully_shard`` on every block, then on the root.
 - ``apply_tp(model, tp_mesh)``: Megatron-style tensor parallelism of the blocks (column-parallel
-  q/k/v/gate/up, row-parallel o/down), heads split across the ranks.
+  q/k/v/gate/up, row-parallel o/down), heads split across the ranks; ``apply_tp_block`` of one.
 - ``apply_2d(model, mesh)``: tensor parallelism on ``mesh["tp"]``, then FSDP2 on ``mesh["dp"]``.
 
 Tied weights under tensor parallelism: the embedding and the output projection stay whole
@@ -38,6 +39,9 @@ class Config:
     heads: int = 4
     hidden: int = 64
     eps: float = 1e-5
+    # The output projection shares the embedding's weight. A pipeline split puts the embedding
+    # on the first stage and the output on the last, where one parameter cannot serve both.
+    tied: bool = True
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +103,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.dim, cfg.eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
-        self.output.weight = self.tok_embeddings.weight
+        if cfg.tied:
+            self.output.weight = self.tok_embeddings.weight
         # nn.Embedding draws N(0, 1), which as tied output weights gives logits far too large.
         nn.init.normal_(self.tok_embeddings.weight, std=0.1)
 
@@ -125,7 +130,7 @@ def materialize(model: Llama, device: str | torch.device = "cpu") -> Llama:
     swapped in place and stay tied); tie them again, as ``tie_weights()`` does in transformers.
     """
     model.to_empty(device=device)
-    if model.output.weight is not model.tok_embeddings.weight:
+    if model.cfg.tied and model.output.weight is not model.tok_embeddings.weight:
         model.output.weight = model.tok_embeddings.weight
     return model
 
@@ -171,10 +176,12 @@ def apply_fsdp(model: Llama, mesh: Any) -> Llama:
     return model
 
 
-def apply_tp(model: Llama, tp_mesh: Any) -> Llama:
+def apply_tp_block(block: Block, tp_mesh: Any) -> Block:
+    """Megatron-style tensor parallelism of one block on ``tp_mesh``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    assert model.cfg.heads % tp_mesh.size() == 0, "every tensor-parallel rank needs whole heads"
+    heads = block.attention.wq.out_features // block.attention.head_dim
+    assert heads % tp_mesh.size() == 0, "every tensor-parallel rank needs whole heads"
     plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -184,8 +191,13 @@ def apply_tp(model: Llama, tp_mesh: Any) -> Llama:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(),
     }
+    parallelize_module(block, tp_mesh, plan)
+    return block
+
+
+def apply_tp(model: Llama, tp_mesh: Any) -> Llama:
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, plan)
+        apply_tp_block(layer, tp_mesh)
     return model
 
 
