@@ -77,8 +77,8 @@ def describe_disagreement(comm: Comm, signature: list[Any]) -> str:
             "rank_state=, which every rank passes or none)"
         )
     r = differing[0]
-    first = dict((n, (d, k, s)) for n, d, k, s in eval_signature(everyone[0]))
-    other = dict((n, (d, k, s)) for n, d, k, s in eval_signature(everyone[r]))
+    first = {n: tuple(rest) for n, *rest in eval_signature(everyone[0])}
+    other = {n: tuple(rest) for n, *rest in eval_signature(everyone[r])}
     only0 = sorted(set(first) - set(other))[:3]
     onlyr = sorted(set(other) - set(first))[:3]
     changed = [n for n in first if n in other and first[n] != other[n]][:3]
@@ -88,7 +88,8 @@ def describe_disagreement(comm: Comm, signature: list[Any]) -> str:
     if onlyr:
         parts.append(f"arrays only on rank {r}: {onlyr}")
     for n in changed:
-        parts.append(f"array {n!r} is (dtype, ndim, spec) {first[n]} on rank 0 but {other[n]} on rank {r}")
+        what = "(dtype, ndim, spec, stages holding it)" if len(first[n]) > 3 else "(dtype, ndim, spec)"
+        parts.append(f"array {n!r} is {what} {first[n]} on rank 0 but {other[n]} on rank {r}")
     return (
         "ranks disagree about the state to save: "
         + "; ".join(parts)
@@ -96,5 +97,5 @@ def describe_disagreement(comm: Comm, signature: list[Any]) -> str:
     )
 
 
-def eval_signature(raw: bytes) -> list[tuple[str, str, int, str]]:
+def eval_signature(raw: bytes) -> list[tuple[Any, ...]]:
     return [tuple(x) for x in ast.literal_eval(raw.decode())]

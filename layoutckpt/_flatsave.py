@@ -49,7 +49,11 @@ def expand_flats(structure: Any, flats: list[tuple[Piece, Flat]]) -> Any:
 
 
 def flat_writes(
-    comm: Comm, flats: list[tuple[Piece, Flat]], shards: list[list[tuple[int, ...]]], mesh: Mesh
+    comm: Comm,
+    flats: list[tuple[Piece, Flat]],
+    shards: list[list[tuple[int, ...]]],
+    mesh: Mesh,
+    stages: tuple[tuple[str, ...], list[tuple[tuple[int, ...], ...]]] | None = None,
 ) -> list[tuple[str, _plan.Box, Any]]:
     """(stored name, box, data) of the row blocks this rank writes for its flat buffers.
 
@@ -65,13 +69,18 @@ def flat_writes(
     out: list[tuple[str, _plan.Box, Any]] = []
     sends: list[tuple[int, int, Any]] = []
     recvs: list[tuple[int, int, Any]] = []
+    axes = stages[0] if stages is not None else ()
+    here = tuple(mesh.coords(comm.rank)[axis] for axis in axes)
     for tag, ((a, spec), shard_shapes) in enumerate(zip(flats, shards)):
+        # Another stage's buffer, or one that the first stage holding it writes.
+        if a.source is None or (stages is not None and stages[1][tag][0] != here):
+            continue
         local = a.source if isinstance(a.source, torch.Tensor) else from_numpy(np.ascontiguousarray(a.source), a.dtype)
         local = local.detach()
         names = flat_names(a, spec)
         # Over tensor-parallel pieces, the plan is that of this rank's pieces on the mesh without
         # the tensor-parallel axes; its ranks and boxes are mapped back to the full mesh's.
-        pieces = spec.local(mesh, comm.rank)
+        pieces = spec.local(mesh, comm.rank, fixed=axes)
         writes, to_send = _flat.save_plan(pieces.flat, pieces.mesh, pieces.rank, shard_shapes)
         for send in to_send:
             if pieces.writes[send.param]:

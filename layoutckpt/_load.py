@@ -268,8 +268,7 @@ def _targets(
             _check_global(name, target, a)
             mesh, spec = sharding_of(target, gname, comm.rank, comm.global_ranks, user_layout)
         else:
-            mesh, spec = layout.mesh, layout.spec_for(gname) if user_layout is not None else P()
-            spec = spec.spec if isinstance(spec, Fused | Padded) else spec
+            mesh, spec = layout.mesh, _stored_spec(user_layout, gname)
             check_spec(spec, mesh, len(a.shape), gname, a.shape)
         box = _plan.shard_box(a.shape, spec, mesh, comm.rank)
         if target is not None:
@@ -277,6 +276,21 @@ def _targets(
             _check_template(name, local, a, _plan.box_shape(box), spec)
         targets[name] = (stored, box)
     return targets, flats, composites
+
+
+def _stored_spec(layout: Layout | None, name: str) -> P:
+    """How a stored array is split when loaded without a template: a fused part (or a padded
+    array) as its fused (padded) rule's inner ``P`` says, any other array as its rule does."""
+    if layout is None:
+        return P()
+    head, dot, last = name.rpartition(".")
+    fused, _, part = head.rpartition(".")
+    if dot and fused:
+        rule = layout.rule_for(f"{fused}.{last}")
+        if rule is not None and isinstance(rule[1], Fused) and part in dict(rule[1].parts):
+            return rule[1].spec
+    spec = layout.spec_for(name)
+    return spec.spec if isinstance(spec, Fused | Padded) else spec  # type: ignore[return-value]
 
 
 def _plan_view(name: str, view: Fused | Padded, target: Any, meta: CheckpointMeta, mesh: Any, rank: int) -> Composite:
@@ -477,7 +491,9 @@ def _plan_flat(
                 f"rank {rank} a buffer of {length} elements; fix the template or the layout"
             )
         _check_template(name, local, ArrayMeta(name, (length,), dtype, (length,), (length,), P()), (length,), spec)
-    parts = [((f"{name}.{spec.params[r.param][0]}", pieces.to_global(r.box, r.param)), r.lo, r.hi, r.dst) for r in reads]
+    parts = [
+        ((f"{name}.{spec.params[r.param][0]}", pieces.to_global(r.box, r.param)), r.lo, r.hi, r.dst) for r in reads
+    ]
     return length, dtype, parts
 
 

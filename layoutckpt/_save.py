@@ -19,6 +19,7 @@ import time
 from typing import Any, Unpack
 
 import attrs
+import numpy as np
 
 from . import _rankstate
 from ._agreement import agree, call_of, describe_call_disagreement, describe_disagreement
@@ -194,6 +195,7 @@ class _Checked:
     # them once every stage's are known); and, with stage axes, which coordinates hold each array.
     nodes: dict[str, Any] | None = None
     holders: list[tuple[tuple[int, ...], ...]] | None = None
+    flat_holders: list[tuple[tuple[int, ...], ...]] | None = None
 
 
 def _check_locally(
@@ -273,13 +275,23 @@ def _with_views(comm: Comm, checked: _Checked, layout: Layout | None) -> _Checke
         if checked.mesh.size != comm.world:
             return checked  # every rank fails check_mesh alike: no exchange to take part in
         failed = checked.error is not None
-        j = join(comm, checked.mesh, layout, checked.arrays, checked.shardings, checked.nodes or {}, failed)
+        j = join(
+            comm, checked.mesh, layout, checked.arrays, checked.shardings, checked.flats, checked.nodes or {}, failed
+        )
         if failed:
             return checked
         tree = tree_of(j.nodes)
     except Exception as err:  # noqa: BLE001 - re-raised by agree() on every rank
         return checked if checked.error else attrs.evolve(checked, error=err)
-    return attrs.evolve(checked, structure=tree, arrays=j.arrays, shardings=j.shardings, holders=j.holders)
+    return attrs.evolve(
+        checked,
+        structure=tree,
+        arrays=j.arrays,
+        shardings=j.shardings,
+        holders=j.holders,
+        flats=j.flats,
+        flat_holders=j.flat_holders,
+    )
 
 
 def _stage_plan(checked: _Checked, layout: Layout | None) -> Any:
@@ -305,7 +317,10 @@ def _agree_on_plan(
     signature = [(a.name, a.dtype, len(a.shape), f"{s!r} on {m!r}") for a, (m, s) in zip(arrays, checked.shardings)]
     if checked.holders is not None:
         signature = [(*sig, held) for sig, held in zip(signature, checked.holders)]
-    signature += [(a.name, a.dtype, 1, f"{spec!r} on {mesh!r}") for a, spec in flats]
+    flat_signature = [(a.name, a.dtype, 1, f"{spec!r} on {mesh!r}") for a, spec in flats]
+    if checked.flat_holders is not None:
+        flat_signature = [(*sig, held) for sig, held in zip(flat_signature, checked.flat_holders)]
+    signature += flat_signature
     agreed = (signature, checked.structure, checked.rank_doc is not None)
     what = _ToPlan(
         mesh,
@@ -362,16 +377,27 @@ def _job(
         rank_state_world=comm.world if checked.rank_doc is not None else None,
         all_chunks_stored=True,
     )
-    mine = [(checked.arrays[i].name, box) for i, box in planned.regular]
-    sources = [source_of(checked.arrays[i]) for i, _ in planned.regular]
+    mine = [(checked.arrays[i].name, box) for i, box, _ in planned.regular]
+    sources = [_part(source_of(checked.arrays[i]), where) for i, _, where in planned.regular]
     # Boundary fragments travel now, on the caller's thread: the process group is free, and
     # each rank sends at most one row block's fragment per flat buffer.
-    for name, box, data in flat_writes(comm, checked.flats, planned.flat_shards, checked.mesh):
+    stages = None if layout is None or checked.flat_holders is None else (layout.stage_axes, checked.flat_holders)
+    for name, box, data in flat_writes(comm, checked.flats, planned.flat_shards, checked.mesh, stages):
         mine.append((name, box))
         sources.append(data)
     operation = "save_async" if copy else "save"
     job = _Job(final.staging(token), final, meta, mine, checked.rank_doc, options, started, operation)
     return job, sources
+
+
+def _part(source: Any, where: tuple[slice, ...] | None) -> Any:
+    """The shard at ``where`` in this rank's piece (all of it for None), contiguous."""
+    if where is None:
+        return source
+    part = source[where]
+    if hasattr(part, "is_contiguous"):
+        return part if part.is_contiguous() else part.contiguous()
+    return np.ascontiguousarray(part)
 
 
 def _run_now(job: _Job, items: list[Staged], comm: Comm | StoreComm) -> SaveFuture:
@@ -433,7 +459,8 @@ class _Planned:
 
     token: int  # the token of the save that planned it: the same on every rank
     metas: dict[str, ArrayMeta]
-    regular: list[tuple[int, _plan.Box]]  # (index into the arrays, box) this rank writes
+    # (index into the arrays, box) of each shard this rank writes, and where in its piece it lies.
+    regular: list[tuple[int, _plan.Box, tuple[slice, ...] | None]]
     flat_shards: list[list[tuple[int, ...]]]
     tree: Any = None  # the tree of the last save that used the plan
 
@@ -515,7 +542,21 @@ def _plan_globally(comm: Comm, what: _ToPlan, token: int) -> _Planned:
     except InconsistentShardsError as err:
         error = err
     agree(comm, error, [])
-    return _Planned(token, metas, _plan.writes_of(plan_arrays, what.mesh, comm.rank), flat_shards)
+    return _Planned(token, metas, _writes(plan_arrays, what.mesh, comm.rank), flat_shards)
+
+
+def _writes(
+    arrays: list[_plan.ArraySpec], mesh: Mesh, rank: int
+) -> list[tuple[int, _plan.Box, tuple[slice, ...] | None]]:
+    """The shards this rank writes, each with where it lies in the piece the rank holds (None
+    where it is the whole piece; a part where replicas share the piece's write)."""
+    out = []
+    for i, box in _plan.writes_of(arrays, mesh, rank):
+        a = arrays[i]
+        held = _plan.shard_box(a.shape, a.spec, a.mesh or mesh, rank, a.piece)
+        where = None if box == held else tuple(slice(b0 - h0, b1 - h0) for (b0, b1), (h0, _) in zip(box, held))
+        out.append((i, box, where))
+    return out
 
 
 def _array_metas(comm: Comm, what: _ToPlan) -> tuple[dict[str, ArrayMeta], list[_plan.ArraySpec]]:
@@ -527,7 +568,6 @@ def _array_metas(comm: Comm, what: _ToPlan) -> tuple[dict[str, ArrayMeta], list[
     held = [a.source is not None for a in what.arrays for _ in a.shape]
     hi = comm.all_reduce([*local_dims, *(-d if h else -_NONE for d, h in zip(local_dims, held))], "max")
     maxs, mins = hi[: len(local_dims)], [-v for v in hi[len(local_dims) :]]
-    metas: dict[str, ArrayMeta] = {}
     plan_arrays: list[_plan.ArraySpec] = []
     offset = 0
     for index, (a, (m, spec)) in enumerate(zip(what.arrays, what.shardings)):
@@ -539,11 +579,13 @@ def _array_metas(comm: Comm, what: _ToPlan) -> tuple[dict[str, ArrayMeta], list[
         else:
             shape = _plan.global_shape_from_sums(a.name, spec, m, sums[sl], mins[sl], maxs[sl], holders)
         own_mesh = m if m != what.mesh else None
-        shard = padded_shard(a, shape, spec, m)
-        outer = _plan.shard_shape(shape, spec, m, shard)
-        metas[a.name] = what.meta(a.name, a, shape, outer, spec=spec, mesh=own_mesh)
+        piece = padded_shard(a, shape, spec, m)
         stage_axes, stages = ((), None) if what.stages is None else (what.stages[0], what.stages[2][index])
-        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize, own_mesh, shard, stage_axes, stages))
+        plan_arrays.append(_plan.ArraySpec(a.name, shape, spec, a.itemsize, own_mesh, piece, stage_axes, stages))
+    metas = {
+        a.name: what.meta(a.name, a, pa.shape, outer, spec=pa.spec, mesh=pa.mesh)
+        for a, pa, outer in zip(what.arrays, plan_arrays, _plan.stored_shards(plan_arrays, what.mesh))
+    }
     return metas, plan_arrays
 
 
@@ -569,7 +611,7 @@ def _check_shards(rank: int, what: _ToPlan, plan_arrays: list[_plan.ArraySpec]) 
         if a.source is None:
             continue  # another stage's array
         mesh = pa.mesh or what.mesh
-        expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, mesh, rank, pa.shard))
+        expected = _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, mesh, rank, pa.piece))
         if a.shape != expected:
             raise InconsistentShardsError(
                 f"array {a.name!r}: rank {rank} holds a shard of shape {a.shape}, but "

@@ -23,6 +23,7 @@ import numpy as np
 
 from ._pieces import Piece, source_of
 from .base._errors import InconsistentShardsError, LayoutError
+from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._names import Renumber
 from .layout._spec import Mesh, P
@@ -43,6 +44,7 @@ class Entry:
     kind: str
     itemsize: int
     pad: Any  # a padded array's [dimension, rows per piece], else None
+    flat: bool = False  # a flat buffer (its layout rule says how it is cut)
 
     def parsed(self) -> tuple[P, Mesh | None]:
         return P.from_json(self.spec), Mesh.from_json(self.mesh) if self.mesh is not None else None
@@ -133,6 +135,8 @@ class Joined:
     shardings: list[tuple[Mesh, P]]
     holders: list[tuple[Coords, ...]]
     nodes: Mapping[str, Any]
+    flats: list[tuple[Piece, Flat]]
+    flat_holders: list[tuple[Coords, ...]]
 
 
 def join(
@@ -141,6 +145,7 @@ def join(
     layout: Layout,
     arrays: list[Piece],
     shardings: list[tuple[Mesh, P]],
+    flats: list[tuple[Piece, Flat]],
     nodes: Mapping[str, Any],
     failed: bool,
 ) -> Joined:
@@ -148,11 +153,22 @@ def join(
     still takes part (with nothing to offer), so that no rank waits for it."""
     axes = layout.stage_axes
     entries = [] if failed else [_entry(a, m, s, mesh) for a, (m, s) in zip(arrays, shardings)]
+    entries += (
+        [] if failed else [Entry(a.name, a.dtype, 1, None, None, a.kind, a.itemsize, None, True) for a, _ in flats]
+    )
     u = union(comm, mesh, axes, entries, {} if failed else nodes)
     _check_numbering(layout, [e.name for e in u.entries])
     mine = {a.name: (a, sharding) for a, sharding in zip(arrays, shardings)}
-    out_arrays, out_shardings = [], []
-    for e in u.entries:
+    my_flats = {a.name: (a, spec) for a, spec in flats}
+    out_arrays, out_shardings, holders = [], [], []
+    out_flats, flat_holders = [], []
+    for e, held in zip(u.entries, u.holders):
+        if e.flat:
+            stand_in = Piece(e.name, None, (0,), e.itemsize, e.dtype, e.kind)
+            out_flats.append(my_flats.get(e.name, (stand_in, layout.spec_for(e.name))))
+            flat_holders.append(held)
+            continue
+        holders.append(held)
         if e.name in mine:
             a, sharding = mine[e.name]
         else:
@@ -162,7 +178,7 @@ def join(
             sharding = (own or mesh, spec)
         out_arrays.append(a)
         out_shardings.append(sharding)
-    return Joined(out_arrays, out_shardings, list(u.holders), u.nodes)
+    return Joined(out_arrays, out_shardings, holders, u.nodes, out_flats, flat_holders)
 
 
 def _entry(a: Piece, m: Mesh, spec: P, mesh: Mesh) -> Entry:

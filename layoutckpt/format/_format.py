@@ -20,7 +20,13 @@ from ..base._errors import FormatError, InvalidNameError, NewerFormatError
 from ..layout._spec import Mesh, P
 from ._shard import COMPRESSIONS, compression_json
 
-FORMAT_VERSION = 3
+# 1: first release; 2: chunk keys joined by dots (``c.0.1``); 3: the root document's SHA-256;
+# 4: stages, local names, fused and padded tensors: the tree holds global names, each part of a
+# fused tensor is its own array (named by ``part_name``), and the chunk grid also admits a padded
+# array's pieces (up to one per rank, longer than ``torch.chunk``'s) and finer shards that tile
+# every box (row blocks of flat parameters split by tensor parallelism; replica-parallel writes).
+# Older readers would call such a checkpoint corrupt; the version makes them say "newer format".
+FORMAT_VERSION = 4
 ATTRS_KEY = "layoutckpt"
 KINDS = ("torch", "numpy", "numpy_scalar")
 # The root document's checksum member (format version 3 on): the SHA-256 of the rest of the
@@ -208,8 +214,8 @@ def _geometry_problem(
 def _check_grid(name: str, meta: ArrayMeta, mesh: Mesh) -> None:
     """The chunk grid is the one the spec cuts on the mesh (section 5.2): ``shard_shape[d] =
     max(1, ceil(shape[d] / k_d))``, or longer pieces still one per rank (a padded array's); a
-    dimension the spec does not split holds the whole extent; the first dimension may be cut
-    into shorter blocks of rows (a flat buffer's parameters are stored in row blocks)."""
+    dimension the spec does not split holds the whole extent; or a finer grid whose shards
+    tile every box (replica-parallel writes, a flat buffer's row blocks)."""
     problem = _grid_problem(meta.shape, meta.shard_shape, meta.spec, mesh)
     if problem:
         raise FormatError(f"array {name!r}: {problem}; the metadata is corrupt")
@@ -229,7 +235,10 @@ def _grid_problem(shape: tuple[int, ...], shard: tuple[int, ...], spec: P, mesh:
         expected = max(1, -(-n // k))
         # A padded array's pieces are longer than torch.chunk's but still one per rank.
         padded = k > 1 and s > expected and -(-n // s) <= k
-        if s != expected and not padded and not (d == 0 and s <= expected):
+        # A box may be stored as several shards (replicas share its write; a flat buffer's
+        # parameters are stored in row blocks): each box is then whole shards.
+        finer = s < expected and (k == 1 or d == 0 or expected % s == 0)
+        if s != expected and not padded and not finer:
             return (
                 f"shard_shape {list(shard)} is not the grid its spec {spec.to_json()} cuts from shape "
                 f"{list(shape)} on {mesh.to_json()} (dimension {d}: expected {expected})"

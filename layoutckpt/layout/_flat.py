@@ -104,9 +104,10 @@ class Flat:
         """The axes that split parameters before flattening (tensor parallel), in order of use."""
         return tuple(dict.fromkeys(a for _, spec in self.specs for a in spec.axes))
 
-    def local(self, mesh: Mesh, rank: int) -> LocalFlat:
-        """This rank's flat buffer as a flat of its own pieces on the mesh without ``within``."""
-        return _local(self, mesh, rank)
+    def local(self, mesh: Mesh, rank: int, fixed: tuple[str, ...] = ()) -> LocalFlat:
+        """This rank's flat buffer as a flat of its own pieces on the mesh without ``within``
+        and the ``fixed`` axes (stage axes, whose ranks hold other buffers, not replicas)."""
+        return _local(self, mesh, rank, fixed)
 
     def stored_shard(self, param: int, itemsize: int, mesh: Mesh, shard_bytes: int) -> tuple[int, ...]:
         """The shard shape of parameter ``param``'s stored array: row blocks of about
@@ -232,10 +233,10 @@ class LocalFlat:
         return tuple((a + o, b + o) for (a, b), o in zip(box, self.origins[param]))
 
 
-def _local(flat: Flat, mesh: Mesh, rank: int) -> LocalFlat:
+def _local(flat: Flat, mesh: Mesh, rank: int, fixed: tuple[str, ...]) -> LocalFlat:
     within = flat.within
     coords = mesh.coords(rank)
-    if not within:
+    if not within and not fixed:
         origins = tuple((0,) * len(shape) for _, shape in flat.params)
         return LocalFlat(flat, mesh, rank, tuple(range(mesh.size)), origins, (True,) * len(flat.params))
     params, origins, writes = [], [], []
@@ -245,9 +246,9 @@ def _local(flat: Flat, mesh: Mesh, rank: int) -> LocalFlat:
         params.append((name, box_shape(box)))
         origins.append(tuple(a for a, _ in box))
         writes.append(all(coords[a] == 0 for a in within if a not in spec.axes))
-    sub = Mesh(tuple((a, n) for a, n in mesh.axes if a not in within))
-    fixed = {a: coords[a] for a in within}
-    ranks = tuple(mesh.rank_of({**sub.coords(r), **fixed}) for r in range(sub.size))
+    sub = Mesh(tuple((a, n) for a, n in mesh.axes if a not in within and a not in fixed))
+    at = {a: coords[a] for a in (*within, *fixed)}
+    ranks = tuple(mesh.rank_of({**sub.coords(r), **at}) for r in range(sub.size))
     sub_rank = sub.rank_of({a: coords[a] for a in sub.axis_names})
     local = Flat(params, flat.axis, flat.bounds)
     return LocalFlat(local, sub, sub_rank, ranks, tuple(origins), tuple(writes))

@@ -239,34 +239,46 @@ class Layout:
                 mesh,
                 parsed,
                 stages=doc.get("stages", ()),
-                names=_toml_names(doc.get("names", []), source),
-                replicas=[
-                    (r.get("match"), r.get("policy")) for r in _tables(doc.get("replicas", []), "replicas", source)
-                ],
+                names=_toml_names(doc.get("names", [])),
+                replicas=_toml_replicas(doc.get("replicas", [])),
             )
         except LayoutError as err:
             raise LayoutError(f"{source}: {err}") from None
 
 
-def _tables(value: object, key: str, source: str) -> list[dict[str, Any]]:
+def _tables(value: object, key: str) -> list[dict[str, Any]]:
     if not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
-        raise LayoutError(f"{source}: [[{key}]] must be an array of tables, got {value!r}")
+        raise LayoutError(f"[[{key}]] must be an array of tables, got {value!r}")
     return value
+
+
+def _toml_replicas(value: object) -> list[tuple[Any, Any]]:
+    """The ``[[replicas]]`` tables: ``{match = regex, policy = "check" | "first" | "mean"}``."""
+    out = []
+    for i, table in enumerate(_tables(value, "replicas")):
+        unknown = sorted(k for k in table if k not in ("match", "policy", "note"))
+        if unknown or "match" not in table or "policy" not in table:
+            raise LayoutError(
+                f"replicas #{i} must be {{match = '<regex>', policy = 'check' | 'first' | 'mean'}}; "
+                f"got keys {sorted(table)}"
+            )
+        out.append((table["match"], table["policy"]))
+    return out
 
 
 _NAME_KEYS = {"renumber": ("renumber", "axis", "per", "starts", "note"), "rename": ("rename", "to", "note")}
 
 
-def _toml_names(value: object, source: str) -> list[NameRule]:
+def _toml_names(value: object) -> list[NameRule]:
     """The ``[[names]]`` tables: ``{renumber = regex, axis = "pp", per = 4}`` (or ``starts``) and
     ``{rename = regex, to = replacement}``."""
     out: list[NameRule] = []
-    for i, table in enumerate(_tables(value, "names", source)):
+    for i, table in enumerate(_tables(value, "names")):
         kind = "renumber" if "renumber" in table else "rename" if "rename" in table else None
         unknown = [k for k in table if kind is None or k not in _NAME_KEYS[kind]]
         if kind is None or unknown:
             raise LayoutError(
-                f"{source}: names #{i} must be {{renumber = '<regex>', axis = '<axis>', per = N}} (or starts = [...]) "
+                f"names #{i} must be {{renumber = '<regex>', axis = '<axis>', per = N}} (or starts = [...]) "
                 f"or {{rename = '<regex>', to = '<replacement>'}}; got keys {sorted(table)}"
             )
         if kind == "renumber":

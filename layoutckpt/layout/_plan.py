@@ -15,6 +15,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -215,7 +216,7 @@ class ArraySpec:
     # The mesh the spec names, where it is not the layout's (a DTensor's own mesh); same size.
     mesh: Mesh | None = None
     # The pieces' lengths, where they are not torch.chunk's (a padded array's).
-    shard: tuple[int, ...] | None = None
+    piece: tuple[int, ...] | None = None
     # Where names differ along ``stage_axes``: the stage coordinates holding the array (None: all).
     stage_axes: tuple[str, ...] = ()
     stages: tuple[tuple[int, ...], ...] | None = None
@@ -278,58 +279,162 @@ def _holders(
 def _piece_bytes(a: ArraySpec, mesh: Mesh) -> np.ndarray:
     """The bytes of every piece of ``a``, by piece index (see ``_piece_ids``)."""
     nbytes = np.full(1, a.itemsize, dtype=np.int64)
-    pieces = a.shard if a.shard is not None else (None,) * len(a.shape)
-    for n, k, piece in zip(a.shape, split_counts(len(a.shape), a.spec, mesh), pieces):
-        piece = -(-n // k) if piece is None else piece
-        starts = np.minimum(np.arange(k, dtype=np.int64) * piece, n)
-        lengths = np.minimum(starts + piece, n) - starts
+    for lengths in _piece_lengths(a, mesh):
         nbytes = np.multiply.outer(nbytes, lengths).reshape(-1)
     return nbytes
 
 
-def _assign(arrays: tuple[ArraySpec, ...], mesh: Mesh) -> tuple[np.ndarray, ...]:
-    """For every array, the writer of each piece (by piece index; -1 for empty pieces).
+def _piece_lengths(a: ArraySpec, mesh: Mesh) -> list[np.ndarray]:
+    """For every dimension, the length of each of its pieces."""
+    out = []
+    pieces = a.piece if a.piece is not None else (None,) * len(a.shape)
+    for n, k, piece in zip(a.shape, split_counts(len(a.shape), a.spec, mesh), pieces):
+        piece = -(-n // k) if piece is None else piece
+        starts = np.minimum(np.arange(k, dtype=np.int64) * piece, n)
+        out.append(np.minimum(starts + piece, n) - starts)
+    return out
 
-    The rule of ``assign_writers``, computed a block at a time: a block is the pieces of one
+
+# Replica-parallel writes: a box held by several replicas is cut along one dimension into up to
+# that many stored shards, each written by another replica, none below the unit of balance
+# (a quarter of a rank's mean share of the state, and at least this).
+MIN_SPLIT_BYTES = 4 << 20
+
+
+@attrs.frozen
+class Split:
+    """How an array's boxes are stored: in shards of ``shard``, ``parts`` per box along ``dim``
+    (``parts`` 1: one shard per box)."""
+
+    shard: tuple[int, ...]
+    dim: int = 0
+    parts: int = 1
+
+
+def stored_shards(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[tuple[int, ...]]:
+    """The stored shard shape of every array: its boxes, cut where replicas share the write."""
+    return [split.shard for split in _splits(tuple(arrays), mesh)]
+
+
+def _splits(arrays: tuple[ArraySpec, ...], mesh: Mesh) -> tuple[Split, ...]:
+    try:
+        return _splits_cached(arrays, mesh)
+    except TypeError:  # unhashable fields (a list for a shape): plan without the cache
+        return _compute_splits(arrays, mesh)
+
+
+def _compute_splits(arrays: tuple[ArraySpec, ...], mesh: Mesh) -> tuple[Split, ...]:
+    total = sum(a.itemsize * math.prod(a.shape) for a in arrays)
+    unit = max(MIN_SPLIT_BYTES, total // (4 * mesh.size))
+    return tuple(_split(a, a.mesh or mesh, unit) for a in arrays)
+
+
+# A save and its plan ask for the same state's splits several times: computed once.
+_splits_cached = functools.lru_cache(maxsize=4)(_compute_splits)
+
+
+def _replica_count(a: ArraySpec, mesh: Mesh) -> int:
+    replicas = mesh.size // math.prod(mesh.axis_size(axis) for axis in a.spec.axes)
+    if a.stages is not None:
+        replicas = replicas * len(a.stages) // math.prod(mesh.axis_size(axis) for axis in a.stage_axes)
+    return replicas
+
+
+def _split(a: ArraySpec, mesh: Mesh, unit: int) -> Split:
+    """Cut ``a``'s boxes into as many parts (up to its replicas) as keep each at least ``unit``
+    bytes, along the dimension that allows the most; a dimension the spec splits is cut only
+    by a divisor of its pieces' length, so that every piece is whole shards."""
+    piece = shard_shape(a.shape, a.spec, mesh, a.piece)
+    wanted = min(_replica_count(a, mesh), a.itemsize * math.prod(piece) // unit)
+    best = Split(piece)
+    if wanted < 2:
+        return best
+    for d, (length, k) in enumerate(zip(piece, split_counts(len(a.shape), a.spec, mesh))):
+        if k == 1:
+            sub = -(-length // min(wanted, length))
+        else:
+            sub = length // next(f for f in range(min(wanted, length), 0, -1) if length % f == 0)
+        parts = -(-length // sub)
+        if parts > best.parts:
+            best = Split((*piece[:d], sub, *piece[d + 1 :]), d, parts)
+    return best
+
+
+def _unit_bytes(a: ArraySpec, mesh: Mesh, split: Split) -> np.ndarray:
+    """A (pieces, parts) array: the bytes of each stored shard of each piece of ``a``."""
+    if split.parts == 1:
+        return _piece_bytes(a, mesh)[:, None]
+    lengths = _piece_lengths(a, mesh)
+    other = np.full(1, a.itemsize, dtype=np.int64)
+    for d, dim_lengths in enumerate(lengths):
+        factor = np.ones(len(dim_lengths), dtype=np.int64) if d == split.dim else dim_lengths
+        other = np.multiply.outer(other, factor).reshape(-1)
+    stride = math.prod(len(x) for x in lengths[split.dim + 1 :])
+    along = lengths[split.dim][(np.arange(len(other)) // stride) % len(lengths[split.dim])]
+    sub = split.shard[split.dim]
+    units = np.clip(along[:, None] - np.arange(split.parts) * sub, 0, sub)
+    return other[:, None] * units
+
+
+def _assign(arrays: tuple[ArraySpec, ...], mesh: Mesh) -> tuple[np.ndarray, ...]:
+    """For every array, a (pieces, parts) array: the writer of each stored shard of each piece
+    (by piece index; -1 for empty shards).
+
+    The rule of ``assign_writers``, computed a block at a time: a block is the shards of one
     array that have one size, and the global order (size descending, array order, piece index)
-    is the order of the blocks with each block's pieces in index order. The pieces of one array
-    have disjoint replica sets, so each choice in a block reads and changes the loads of its
-    own replicas only: choosing them all at once from the loads before the block gives what
-    choosing them one by one would.
+    is the order of the blocks. The pieces of one array have disjoint replica sets, so each
+    choice in a block reads and changes the loads of its own replicas only; the shards of one
+    piece go to its least-loaded replicas in order, each to a different one.
     """
-    replicas: dict[tuple[Mesh, tuple[str, ...]], np.ndarray] = {}
-    sizes: dict[tuple[tuple[int, ...], P, int, Mesh], tuple[np.ndarray, np.ndarray]] = {}
+    replicas: dict[Any, np.ndarray] = {}
+    units: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
     members, nbytes, blocks = [], [], []
-    for index, a in enumerate(arrays):
+    for index, (a, split) in enumerate(zip(arrays, _splits(arrays, mesh))):
         m = a.mesh or mesh
         key = (m, a.spec.axes, a.stage_axes, a.stages)
         if key not in replicas:
             replicas[key] = _holders(_replicas(m, a.spec.axes), m, a.stage_axes, a.stages)
         members.append(replicas[key])
-        shape = (tuple(a.shape), a.spec, a.itemsize, m)
-        if shape not in sizes:
-            piece_bytes = _piece_bytes(a, m)
-            sizes[shape] = piece_bytes, np.unique(piece_bytes)
-        piece_bytes, distinct = sizes[shape]
-        nbytes.append(piece_bytes)
+        shape = (tuple(a.shape), a.spec, a.itemsize, m, a.piece, split)
+        if shape not in units:
+            unit_bytes = _unit_bytes(a, m, split)
+            units[shape] = unit_bytes, np.unique(unit_bytes)
+        unit_bytes, distinct = units[shape]
+        nbytes.append(unit_bytes)
         blocks += [(-size, index, len(distinct) == 1) for size in distinct.tolist() if size > 0]
     blocks.sort()
     loads = np.zeros(mesh.size, dtype=np.int64)
     # int32: ranks fit, and a fully sharded state has as many pieces as arrays times ranks.
-    writers = [np.full(len(b), -1, dtype=np.int32) for b in nbytes]
+    writers = [np.full(b.shape, -1, dtype=np.int32) for b in nbytes]
     for neg_size, index, whole in blocks:
-        ids = slice(None) if whole else nbytes[index] == -neg_size
-        group = members[index][ids]
-        if group.shape[1] == 1:
-            chosen = group[:, 0]
-        else:
-            # argmin takes the first least-loaded replica: rows are ascending, so the lowest rank.
-            chosen = group[np.arange(len(group)), loads[group].argmin(axis=1)]
-        loads[chosen] -= neg_size
-        writers[index][ids] = chosen
+        _assign_block(members[index], nbytes[index] == -neg_size, whole, loads, writers[index], -neg_size)
     for w in writers:
         w.flags.writeable = False
     return tuple(writers)
+
+
+def _assign_block(
+    members: np.ndarray, mask: np.ndarray, whole: bool, loads: np.ndarray, writers: np.ndarray, size: int
+) -> None:
+    """Give the shards ``mask`` marks (all of one size) to the least-loaded replicas of their
+    pieces (ties to the lowest rank), and count their bytes in ``loads``."""
+    if mask.shape[1] == 1:
+        ids = slice(None) if whole else mask[:, 0]
+        group = members[ids]
+        # argmin takes the first least-loaded replica: rows are ascending, so the lowest rank.
+        chosen = group[:, 0] if group.shape[1] == 1 else group[np.arange(len(group)), loads[group].argmin(axis=1)]
+        loads[chosen] += size
+        writers[ids, 0] = chosen
+        return
+    rows = np.flatnonzero(mask.any(axis=1))
+    counts = mask[rows].sum(axis=1)
+    order = np.argsort(loads[members[rows]], axis=1, kind="stable")
+    for c in np.unique(counts).tolist():
+        these = rows[counts == c]
+        chosen = np.take_along_axis(members[these], order[counts == c][:, :c], axis=1)
+        cols = np.nonzero(mask[these])[1].reshape(-1, c)
+        writers[these[:, None], cols] = chosen
+        loads[chosen.reshape(-1)] += size
 
 
 # Saves of the same state plan the same assignment again; a process planning for many ranks
@@ -346,11 +451,13 @@ def _writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> tuple[np.ndarray, ...]:
 
 
 def assign_writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[np.ndarray]:
-    """For every array, an int array mapping each rank to the rank that writes its piece.
+    """For every array, an int array mapping each rank to the rank that writes its piece; a
+    (ranks, parts) array where pieces are stored as several shards (``stored_shards``).
 
-    Among the replicas of a piece exactly one rank writes it: pieces are taken largest first
-    (ties by array order, then piece index) and each goes to its least-loaded replica (ties to
-    the lowest rank). Empty pieces have no writer (-1).
+    Among the replicas of a piece exactly one rank writes each of its shards: shards are taken
+    largest first (ties by array order, then piece index) and each goes to its least-loaded
+    replica (ties to the lowest rank), the shards of one piece to different replicas. Empty
+    shards have no writer (-1).
     """
     coords: dict[Mesh, np.ndarray] = {}
     out = []
@@ -358,24 +465,31 @@ def assign_writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[np.ndarray]:
         m = a.mesh or mesh
         if m not in coords:
             coords[m] = _mesh_coords(m)
-        out.append(by_piece[_piece_ids(a, m, coords[m])].astype(np.int64))
+        writers = by_piece[_piece_ids(a, m, coords[m])].astype(np.int64)
+        out.append(writers[:, 0] if writers.shape[1] == 1 else writers)
     return out
 
 
 def writes_of(arrays: Sequence[ArraySpec], mesh: Mesh, rank: int) -> list[tuple[int, Box]]:
-    """(array index, box) of every piece that ``rank`` writes.
+    """(array index, box) of every stored shard that ``rank`` writes.
 
     The assignment is global (every rank computes the same), but only this rank's entries
     are looked up: planning costs memory in the number of pieces, not arrays times ranks.
     """
     coords: dict[Mesh, dict[str, int]] = {}
     out = []
+    splits = _splits(tuple(arrays), mesh)
     for index, (a, by_piece) in enumerate(zip(arrays, _writers(arrays, mesh))):
         m = a.mesh or mesh
         if m not in coords:
             coords[m] = m.coords(rank)
-        if by_piece[_piece_index(a.spec, m, coords[m])] == rank:
-            out.append((index, shard_box(a.shape, a.spec, m, rank, a.shard)))
+        row = by_piece[_piece_index(a.spec, m, coords[m])]
+        mine = np.flatnonzero(row == rank).tolist()
+        if not mine:
+            continue
+        box = shard_box(a.shape, a.spec, m, rank, a.piece)
+        shards = shard_pieces(box, splits[index].shard) if len(row) > 1 else [box]
+        out += [(index, shards[j]) for j in mine]
     return out
 
 

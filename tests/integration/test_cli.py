@@ -609,3 +609,162 @@ def test_npy_of_a_float8_array_keeps_its_bits(capsys, tmp_path):
     buf = io.StringIO()
     print(repr(x), file=buf)
     assert run(capsys, "read", path, "x")[1] == "x: float8_e4m3fn (4, 6)\n" + buf.getvalue()
+
+
+# --- plan of a layout with stages, local names, fused and padded tensors -----------------------
+
+# Two pipeline stages of two layers, each numbering its layers from 0; a QKV fused with its 4
+# query groups interleaved, a fused [gate; up], and a vocabulary of 13 rows padded to 16.
+STAGED_TOML = r"""
+stages = ["pp"]
+
+[mesh]
+pp = 2
+tp = 2
+
+[[names]]
+renumber = '^layers\.(\d+)\.'
+axis = "pp"
+per = 2
+
+[[replicas]]
+match = '^embedding\.'
+policy = "mean"
+
+[[rules]]
+match = 'qkv\.weight$'
+spec = "Fused(P('tp', None), [('q', 4), ('k', 2), ('v', 2)], groups=4)"
+
+[[rules]]
+match = 'fc1\.weight$'
+spec = "Fused(P('tp', None), [('gate', 8), ('up', 8)])"
+
+[[rules]]
+match = '^embedding\.weight$'
+spec = "Padded(P('tp', None), 13)"
+
+[[rules]]
+match = '.*'
+spec = "P()"
+"""
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory) -> tuple[str, Path, dict]:
+    """Saved by one process holding every stage (pp=1, tp=1: local names are the global ones)."""
+    import tomllib
+
+    folder = tmp_path_factory.mktemp("cli")
+    g = torch.Generator().manual_seed(0)
+    state: dict = {"embedding": {"weight": torch.randn(16, 8, generator=g)}, "layers": {}}
+    for i in range(4):
+        state["layers"][str(i)] = {
+            "qkv": {"weight": torch.randn(32, 8, generator=g)},
+            "fc1": {"weight": torch.randn(16, 8, generator=g)},
+            "norm": {"weight": torch.randn(8, generator=g)},
+        }
+    doc = tomllib.loads(STAGED_TOML)
+    doc["names"][0]["per"] = 4
+    layout = lc.Layout.from_toml_dict(doc, lc.Mesh({"pp": 1, "tp": 1}))
+    path = str(folder / "staged")
+    lc.save(path, state, layout)
+    (folder / "staged.toml").write_text(STAGED_TOML)
+    return path, folder / "staged.toml", state
+
+
+def test_plan_of_stages_names_fused_and_padded_reads_what_each_stage_holds(capsys, staged):
+    path, toml, _ = staged
+    code, out, _ = run(capsys, "plan", path, "--spec", toml, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    views = doc["views"]
+    assert views["stage_axes"] == ["pp"] and views["replicas"] == [["^embedding\\.", "mean"]]
+    assert views["names"] == [repr(lc.Renumber(r"^layers\.(\d+)\.", "pp", per=2))]
+    arrays = {a["array"]: a for a in views["arrays"]}
+    assert len(arrays) == 1 + 4 * 6  # the embedding; per layer q, k, v, gate, up, norm
+    assert arrays["layers.3.qkv.k.weight"] == {
+        "array": "layers.3.qkv.k.weight",
+        "rule": r"qkv\.weight$",
+        "spec": "Fused(P('tp', None), [('q', 4), ('k', 2), ('v', 2)], groups=4)",
+        "read_spec": ["tp", None],
+        "fused": "layers.3.qkv.weight",
+        "part": "k",
+        "stage": {"pp": 1},
+        "local": "layers.1.qkv.weight",
+    }
+    assert arrays["layers.0.fc1.up.weight"]["fused"] == "layers.0.fc1.weight"
+    assert arrays["layers.0.fc1.up.weight"]["stage"] == {"pp": 0}
+    assert arrays["embedding.weight"]["spec"] == "Padded(P('tp', None), 13)"
+    assert arrays["embedding.weight"]["read_spec"] == ["tp", None] and arrays["embedding.weight"]["stage"] is None
+    assert (
+        arrays["layers.2.norm.weight"]["read_spec"] == []
+        and arrays["layers.2.norm.weight"]["local"] == "layers.0.norm.weight"
+    )
+
+    # Each rank reads its stage's layers (and the embedding, which no rule places): its
+    # tensor-parallel piece of every fused part and of the logical rows, every norm whole.
+    rd = lc.open(path)
+    for r in doc["ranks"]:
+        pp, tp = divmod(r["rank"], 2)
+        held = {"embedding.weight"} | {
+            n for n in arrays if n.startswith((f"layers.{2 * pp}.", f"layers.{2 * pp + 1}."))
+        }
+        assert {read["array"] for read in r["reads"]} == held
+        for read in r["reads"]:
+            shape = rd.info(read["array"]).shape
+            rows = [list(piece(shape[0], 2, tp))] if len(shape) == 2 else [[0, shape[0]]]
+            assert read["box"] == rows + [[0, n] for n in shape[1:]], read
+    nbytes = {n: math.prod(rd.info(n).shape) * 4 for n in arrays}
+    # Every split array once per stage holding it (the embedding: both), every norm twice (tp).
+    expected = sum(nbytes.values()) + nbytes["embedding.weight"] + sum(v for n, v in nbytes.items() if "norm" in n)
+    assert doc["total"]["bytes_needed"] == expected
+
+    # The text form names the rules, the parts' stored names, and each array's stage and local name.
+    code, out, _ = run(capsys, "plan", path, "--spec", toml)
+    assert code == 0
+    for words in [
+        "stage axes: pp (2 coordinates)",
+        r"Renumber('^layers\\.(\\d+)\\.', 'pp', per=2)  pp=0: 0-1, pp=1: 2-3",
+        r"'^embedding\\.' -> mean",
+        "Fused(P('tp', None), [('q', 4), ('k', 2), ('v', 2)], groups=4)",
+        "stored as its parts <name>.q, <name>.k, <name>.v (4 groups interleaved along dimension 0)",
+        "Padded(P('tp', None), 13)",
+        "1 array that no Renumber rule places on a stage (e.g. 'embedding.weight')",
+    ]:
+        assert words in out, words
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  layers.")}
+    assert rows["layers.3.qkv.k.weight"] == [
+        r"'qkv\\.weight$'",
+        "part",
+        "k",
+        "of",
+        "layers.3.qkv.weight",
+        "P('tp',",
+        "None)",
+        "pp=1",
+        "layers.1.qkv.weight",
+    ]
+    assert rows["layers.0.norm.weight"] == ["'.*'", "P()", "pp=0"]
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "reads"])
+    assert [line.split()[0] for line in lines[header + 1 :]] == ["0", "1", "2", "3", "all"]
+
+    # A mesh with fewer stages than the numbers need: those layers are read by no rank.
+    code, out, _ = run(capsys, "plan", path, "--spec", toml, "--mesh", "pp=1,tp=2")
+    assert code == 0 and "12 arrays numbered past the last stage coordinate (e.g. 'layers.2.qkv.q.weight')" in out
+
+
+def test_plan_of_fused_and_padded_parts_equals_the_bytes_a_load_with_like_fetches(capsys, tmp_path, staged):
+    path, _, state = staged
+    """One process holding every stage: what ``plan`` counts for its rank is what the load reads."""
+    toml = tmp_path / "one.toml"
+    toml.write_text(STAGED_TOML.replace("pp = 2", "pp = 1").replace("tp = 2", "tp = 1").replace("per = 2", "per = 4"))
+    code, printed, _ = run(capsys, "plan", path, "--spec", toml, "--json")
+    assert code == 0
+    (plan,) = json.loads(printed)["ranks"]
+    assert len(plan["reads"]) == 25
+    before = bytes_read()
+    out = lc.load(path, lc.Layout.from_file(toml), like=state)
+    assert bytes_read() - before == plan["bytes_read"] + plan["overhead_bytes"]
+    assert torch.equal(out["layers"]["2"]["qkv"]["weight"], state["layers"]["2"]["qkv"]["weight"])
+    assert torch.equal(out["embedding"]["weight"][:13], state["embedding"]["weight"][:13])

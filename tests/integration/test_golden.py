@@ -9,7 +9,10 @@ Each test that reads ``basic`` runs on every version; they differ only where the
   in one file name (``c.0.1``);
 - the version 1 goldens were written before ``all_chunks_stored``, so their all-zero chunks are
   absent; version 2's are all stored;
-- version 3's root documents carry a SHA-256 of their metadata (``sha256``), which readers check.
+- version 3's root documents carry a SHA-256 of their metadata (``sha256``), which readers check;
+- version 4 adds ``parallel``: a checkpoint saved under stages, local names, fused and padded
+  tensors and a ZeRO buffer over tensor-parallel pieces, stored as global names and logical arrays
+  (its tests are at the end).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import zarr
 import layoutckpt as lc
 from tests.support.paths import GOLDEN as GOLDENS
 
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 MISSING = 2**64 - 1
 
 
@@ -691,3 +694,222 @@ def test_array_path_is_derived_from_the_name(basic_copy):
         lc.open(basic_copy)
     with pytest.raises(lc.FormatError, match="path"):
         lc.load(basic_copy)
+
+
+# ---------------------------------------------------------------------------------------------
+# parallel (version 4 on): saved by four ranks of {"pp": 2, "dp": 1, "tp": 2} holding local
+# names (layers renumbered per stage), a grouped fused qkv, a fused [gate; up], padded
+# vocabularies and a ZeRO buffer over tensor-parallel pieces. Stored: global names, logical arrays.
+
+PARALLEL = GOLDENS / "v4" / "parallel"
+LAYERS, GROUPS, Q_ROWS, KV_ROWS, HIDDEN, FFN, VOCAB = 4, 2, 4, 2, 4, 6, 5  # rows per group for q, k, v
+
+
+def _formula(shape: tuple[int, ...], base: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The golden's values: element k of n is ``base + (k - n // 2) / 8`` (then cast)."""
+    n = math.prod(shape)
+    return ((torch.arange(n, dtype=torch.float64) - n // 2) / 8 + base).to(dtype).reshape(shape)
+
+
+def parallel_arrays() -> dict[str, torch.Tensor]:
+    """Every stored array of ``parallel``: global name -> the whole logical array."""
+    out = {
+        "embedding.word_embeddings.weight": _formula((VOCAB, HIDDEN), 1),
+        "output_layer.weight": _formula((VOCAB, HIDDEN), -1, torch.bfloat16),
+    }
+    for i in range(LAYERS):
+        attn, mlp = f"decoder.layers.{i}.self_attention.linear_qkv", f"decoder.layers.{i}.mlp.linear_fc1"
+        out[f"{attn}.q.weight"] = _formula((GROUPS * Q_ROWS, HIDDEN), 10 * i + 2)
+        out[f"{attn}.k.weight"] = _formula((GROUPS * KV_ROWS, HIDDEN), 10 * i + 3)
+        out[f"{attn}.v.weight"] = _formula((GROUPS * KV_ROWS, HIDDEN), 10 * i + 4)
+        out[f"{mlp}.gate.weight"] = _formula((FFN, HIDDEN), 10 * i + 5, torch.bfloat16)
+        out[f"{mlp}.up.weight"] = _formula((FFN, HIDDEN), 10 * i + 6, torch.bfloat16)
+        out[f"decoder.layers.{i}.input_layernorm.weight"] = _formula((HIDDEN,), 10 * i + 7)
+    out["optimizer.exp_avg.w1"] = _formula((4, 6), -10)
+    out["optimizer.exp_avg.w2"] = _formula((6, 4), -11)
+    out["optimizer.exp_avg.b"] = _formula((5,), -12)
+    return out
+
+
+# name -> (shard_shape, spec) as stored: tensor-parallel pieces of the logical arrays; the
+# padded vocabularies in pieces of the 4 rows per rank that the saving ranks held.
+PARALLEL_SHARDS = {
+    "embedding.word_embeddings.weight": ((4, 4), ("tp", None)),
+    "output_layer.weight": ((4, 4), ("tp", None)),
+    "optimizer.exp_avg.w1": ((2, 6), ("tp", None)),
+    "optimizer.exp_avg.w2": ((6, 2), (None, "tp")),
+    "optimizer.exp_avg.b": ((5,), ()),
+    **{
+        f"decoder.layers.{i}.{name}": shard
+        for i in range(LAYERS)
+        for name, shard in {
+            "self_attention.linear_qkv.q.weight": ((4, 4), ("tp", None)),
+            "self_attention.linear_qkv.k.weight": ((2, 4), ("tp", None)),
+            "self_attention.linear_qkv.v.weight": ((2, 4), ("tp", None)),
+            "mlp.linear_fc1.gate.weight": ((3, 4), ("tp", None)),
+            "mlp.linear_fc1.up.weight": ((3, 4), ("tp", None)),
+            "input_layernorm.weight": ((4,), ()),
+        }.items()
+    },
+}
+
+
+def parallel_layout(pp: int, tp: int) -> lc.Layout:
+    """The golden's layout on ``{"pp": pp, "dp": 1, "tp": tp}``: local layer numbers per stage."""
+    return lc.Layout(
+        lc.Mesh({"pp": pp, "dp": 1, "tp": tp}),
+        [
+            (r"linear_qkv\.weight$", lc.Fused(lc.P("tp", None), [("q", 4), ("k", 2), ("v", 2)], groups=GROUPS)),
+            (r"linear_fc1\.weight$", lc.Fused(lc.P("tp", None), [("gate", FFN), ("up", FFN)])),
+            (r"^(embedding\.word_embeddings|output_layer)\.weight$", lc.Padded(lc.P("tp", None), VOCAB)),
+            (
+                r"^optimizer\.exp_avg$",
+                lc.Flat(
+                    [("w1", (4, 6)), ("w2", (6, 4)), ("b", (5,))],
+                    "dp",
+                    specs={"w1": lc.P("tp", None), "w2": lc.P(None, "tp")},
+                ),
+            ),
+            (r".*", lc.P()),
+        ],
+        stages="pp",
+        names=[lc.Renumber(r"^decoder\.layers\.(\d+)\.", "pp", per=LAYERS // pp)],
+    )
+
+
+def parallel_rank_state(pp: int, tp: int, rank: int, pad_rows: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` of ``{"pp": pp, "dp": 1, "tp": tp}`` holds under local names, built
+    from the logical arrays: its stage's layers, fused and padded tensors of ``pad_rows`` rows."""
+    full = parallel_arrays()
+    stage, t = divmod(rank, tp)
+    per = LAYERS // pp
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        whole = torch.zeros(pad_rows * tp, HIDDEN, dtype=x.dtype)
+        whole[:VOCAB] = x
+        return whole[t * pad_rows : (t + 1) * pad_rows].clone()
+
+    out: dict[str, torch.Tensor] = {}
+    if stage == 0:
+        out["embedding.word_embeddings.weight"] = padded(full["embedding.word_embeddings.weight"])
+    for local in range(per):
+        i = stage * per + local
+        attn = f"decoder.layers.{i}.self_attention.linear_qkv"
+        # Megatron's linear_qkv: per query group, its q rows, then its k rows, then its v rows.
+        by_group = torch.cat(
+            [
+                full[f"{attn}.q.weight"].reshape(GROUPS, Q_ROWS, HIDDEN),
+                full[f"{attn}.k.weight"].reshape(GROUPS, KV_ROWS, HIDDEN),
+                full[f"{attn}.v.weight"].reshape(GROUPS, KV_ROWS, HIDDEN),
+            ],
+            dim=1,
+        )
+        mine = GROUPS // tp
+        out[f"decoder.layers.{local}.self_attention.linear_qkv.weight"] = (
+            by_group[t * mine : (t + 1) * mine].reshape(-1, HIDDEN).clone()
+        )
+        rows = FFN // tp
+        gate, up = (full[f"decoder.layers.{i}.mlp.linear_fc1.{p}.weight"] for p in ("gate", "up"))
+        out[f"decoder.layers.{local}.mlp.linear_fc1.weight"] = torch.cat(
+            [gate[t * rows : (t + 1) * rows], up[t * rows : (t + 1) * rows]]
+        )
+        out[f"decoder.layers.{local}.input_layernorm.weight"] = full[f"decoder.layers.{i}.input_layernorm.weight"]
+    if stage == pp - 1:
+        out["output_layer.weight"] = padded(full["output_layer.weight"])
+    w1 = full["optimizer.exp_avg.w1"][t * 4 // tp : (t + 1) * 4 // tp]
+    w2 = full["optimizer.exp_avg.w2"][:, t * 4 // tp : (t + 1) * 4 // tp]
+    out["optimizer.exp_avg"] = torch.cat([w1.reshape(-1), w2.reshape(-1), full["optimizer.exp_avg.b"]])
+    return out
+
+
+def _nested(tree: dict[str, Any], name: str) -> Any:
+    for part in name.split("."):
+        tree = tree[part]
+    return tree
+
+
+def test_parallel_golden_stores_global_names_and_logical_arrays():
+    doc = json.loads((PARALLEL / "zarr.json").read_bytes())["attributes"]["layoutckpt"]
+    assert doc["format_version"] == 4 and doc["mesh"] == [["pp", 2], ["dp", 1], ["tp", 2]]
+    want = parallel_arrays()
+    assert sorted(doc["arrays"]) == sorted(want)
+
+    # The tree: nested dicts of the global names (sorted), each leaf its array; fused parts are
+    # arrays of their own, the fused and ZeRO tensors themselves are nowhere.
+    def leaves(node: Any, prefix: str) -> dict[str, Any]:
+        assert set(node) == {"dict"}, node
+        keys = [k for k, _ in node["dict"]]
+        assert keys == sorted(keys), keys
+        out = {}
+        for key, child in node["dict"]:
+            name = f"{prefix}{key}"
+            out.update({name: child["array"]} if "array" in child else leaves(child, f"{name}."))
+        return out
+
+    assert leaves(doc["tree"], "") == {name: name for name in want}
+    assert not (PARALLEL / "decoder/layers/0/self_attention/linear_qkv/weight").exists()
+    assert json.loads((PARALLEL / "optimizer/exp_avg/zarr.json").read_bytes())["node_type"] == "group"
+
+    rd = lc.open(PARALLEL)
+    assert rd.step == 25 and rd.metadata == {"run": "golden-v4-parallel"}
+    assert sorted(rd.keys()) == sorted(want)
+    for name, tensor in want.items():
+        shard, spec = PARALLEL_SHARDS[name]
+        info = rd.info(name)
+        assert (info.shape, info.shard_shape, info.spec) == (tuple(tensor.shape), shard, lc.P(*spec)), name
+        assert info.dtype == _as_numpy(tensor).dtype, name
+        assert rd.read(name).tobytes() == _as_numpy(tensor).tobytes(), name
+    # A padded vocabulary: two shards of the 4 rows each rank held, the second cut by the 5 rows.
+    embedding = PARALLEL / "embedding/word_embeddings/weight"
+    assert sorted(p.name for p in embedding.iterdir()) == ["c.0.0", "c.1.0", "zarr.json"]
+    assert rd.read("output_layer.weight", np.s_[3:5]).tobytes() == _as_numpy(want["output_layer.weight"][3:5]).tobytes()
+
+    got = lc.load(PARALLEL)
+    assert sorted(got) == ["decoder", "embedding", "optimizer", "output_layer"]
+    assert list(got["decoder"]["layers"]) == ["0", "1", "2", "3"]
+    for name, tensor in want.items():
+        assert_bits_equal(_nested(got, name), tensor)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
+def test_parallel_golden_loads_into_one_process_under_local_names(inplace):
+    """One plain process, {"pp": 1, "dp": 1, "tp": 1}: every layer under its (now global) local
+    name, qkv and [gate; up] fused again, the vocabularies padded to 8 rows, the ZeRO buffer whole."""
+    want = parallel_rank_state(1, 1, 0, pad_rows=8)
+    assert want["decoder.layers.3.self_attention.linear_qkv.weight"].shape == (16, HIDDEN)
+    if inplace:
+        like = {name: torch.full_like(t, 7) for name, t in want.items()}  # the padding rows too
+    else:
+        like = {name: torch.empty_like(t, device="meta") for name, t in want.items()}
+    got = lc.load(PARALLEL, parallel_layout(1, 1), like=like, inplace=inplace)
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert_bits_equal(got[name], tensor)
+        if inplace:
+            assert got[name] is like[name], name
+
+
+def _load_parallel(rank, group, path):
+    want = parallel_rank_state(2, 1, rank, pad_rows=6)
+    like = {name: torch.empty_like(t, device="meta") for name, t in want.items()}
+    got = lc.load(path, parallel_layout(2, 1), like=like, group=group)
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert_bits_equal(got[name], tensor)
+    return sorted(got)
+
+
+def test_parallel_golden_loads_on_two_stages_without_tensor_parallelism(ranks):
+    """Two ranks, {"pp": 2, "dp": 1, "tp": 1}: local layer numbers 0 and 1 on each stage, the
+    fused tensors whole, another padding (6 rows)."""
+    names = ranks.run(_load_parallel, 2, str(PARALLEL))
+    assert "embedding.word_embeddings.weight" in names[0] and "output_layer.weight" in names[1]
+
+
+def test_parallel_golden_opens_in_plain_zarr_and_tensorstore():
+    want = parallel_arrays()
+    for name in ("decoder.layers.2.self_attention.linear_qkv.k.weight", "output_layer.weight", "optimizer.exp_avg.w2"):
+        path = PARALLEL / name.replace(".", "/")
+        assert zarr.open_array(path, mode="r")[...].tobytes() == _as_numpy(want[name]).tobytes(), name
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}
+        assert ts.open(spec, read=True).result().read().result().tobytes() == _as_numpy(want[name]).tobytes(), name

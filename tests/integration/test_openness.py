@@ -245,3 +245,66 @@ def test_shard_files_are_byte_for_byte_what_tensorstore_writes(ranks, saved, tmp
     for rel in files:
         with open(os.path.join(saved, rel), "rb") as a, open(os.path.join(other, rel), "rb") as b:
             assert a.read() == b.read(), rel
+
+
+# ----------------------------------------------------------------------------- fused and padded
+
+# Two tensor-parallel ranks hold a grouped fused qkv (2 query groups: per group 4 q rows, 2 k
+# rows, 2 v rows), a fused [gate; up] and a vocabulary of 7 rows padded to 5 per rank (not 4).
+FUSED_GROUPS, VIEW_H, VIEW_FFN, VIEW_VOCAB, VIEW_PAD = 2, 16, 10, 7, 5
+VIEW_RULES = [
+    (r"qkv\.weight$", lc.Fused(lc.P("tp", None), [("q", 4), ("k", 2), ("v", 2)], groups=FUSED_GROUPS)),
+    (r"fc1\.weight$", lc.Fused(lc.P("tp", None), [("gate", VIEW_FFN), ("up", VIEW_FFN)])),
+    (r"^embed\.weight$", lc.Padded(lc.P("tp", None), VIEW_VOCAB)),
+    (r".*", lc.P()),
+]
+
+
+def view_arrays() -> dict[str, torch.Tensor]:
+    """The stored (logical) arrays, random bits of their dtypes."""
+    shapes = {
+        "attn.qkv.q.weight": ((FUSED_GROUPS * 4, VIEW_H), "float32"),
+        "attn.qkv.k.weight": ((FUSED_GROUPS * 2, VIEW_H), "float32"),
+        "attn.qkv.v.weight": ((FUSED_GROUPS * 2, VIEW_H), "float32"),
+        "mlp.fc1.gate.weight": ((VIEW_FFN, VIEW_H), "bfloat16"),
+        "mlp.fc1.up.weight": ((VIEW_FFN, VIEW_H), "bfloat16"),
+        "embed.weight": ((VIEW_VOCAB, VIEW_H), "float16"),
+    }
+    return {name: full_tensor(100 + i, shape, dtype) for i, (name, (shape, dtype)) in enumerate(shapes.items())}
+
+
+def _save_views(rank, group, path):
+    full = view_arrays()
+    q, k, v = (full[f"attn.qkv.{p}.weight"].reshape(FUSED_GROUPS, -1, VIEW_H) for p in "qkv")
+    qkv = torch.cat([q, k, v], dim=1)[rank : rank + 1].reshape(-1, VIEW_H)  # one group per rank
+    gate, up = full["mlp.fc1.gate.weight"].chunk(2)[rank], full["mlp.fc1.up.weight"].chunk(2)[rank]
+    embed = torch.zeros(2 * VIEW_PAD, VIEW_H, dtype=torch.float16)
+    embed[:VIEW_VOCAB] = full["embed.weight"]
+    state = {
+        "attn": {"qkv": {"weight": qkv.clone()}},
+        "mlp": {"fc1": {"weight": torch.cat([gate, up])}},
+        "embed": {"weight": embed[rank * VIEW_PAD : (rank + 1) * VIEW_PAD].clone()},
+    }
+    lc.save(path, state, lc.Layout(lc.Mesh({"tp": 2}), VIEW_RULES), group=group, inner_chunk_bytes=32)
+    return True
+
+
+def test_fused_parts_and_padded_arrays_are_plain_zarr_arrays(ranks, tmp_path):
+    path = str(tmp_path / "views")
+    assert ranks.run(_save_views, 2, path) == [True] * 2
+    want = {name: to_numpy(t) for name, t in view_arrays().items()}
+    root = zarr.open_group(path, mode="r")
+    arrays = {p for p, node in root.members(max_depth=None) if isinstance(node, zarr.Array)}
+    assert arrays == {name.replace(".", "/") for name in want}  # no fused tensor, no padding
+    for name, array in want.items():
+        where = os.path.join(path, name.replace(".", "/"))
+        z = zarr.open_array(where, mode="r")
+        assert z.shape == array.shape and bit_equal(z[...], array), name
+        assert bit_equal(z[1:-1], array[1:-1]), name
+        store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": where}}, read=True).result()
+        assert tuple(store.shape) == array.shape and bit_equal(store.read().result(), array), name
+        assert bit_equal(store[3 : array.shape[0]].read().result(), array[3:]), name
+    # The padded vocabulary: logical rows only (7), in shards of the 5 rows each rank held.
+    embed = zarr.open_array(os.path.join(path, "embed", "weight"), mode="r")
+    assert embed.shape == (VIEW_VOCAB, VIEW_H) and embed.shards == (VIEW_PAD, VIEW_H)
+    assert math.prod(embed.chunks) < math.prod(embed.shards)  # several inner chunks per shard

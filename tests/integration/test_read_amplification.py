@@ -321,3 +321,102 @@ def test_large_read_of_a_damaged_chunk_raises_integrity_error(tmp_path):
     shard.write_bytes(bytes(raw))
     with pytest.raises(lc.IntegrityError, match="array 'w'"):
         lc.open(path).read("w")
+
+
+# ----------------------------------------------------------------------------- (d) fused and padded
+
+# Saved at TP=2, loaded under other degrees: each loading rank needs rows of several stored
+# arrays (the parts of a fused tensor; the logical rows of its piece of a padded one) and must
+# fetch nothing else. 12 query groups (4 q, 2 k, 2 v rows each) split 1, 2, 3 or 4 ways.
+GROUPS, PER_GROUP, FFN, VOCAB, HIDDEN = 12, {"q": 4, "k": 2, "v": 2}, 96, 250, 64
+VIEW_INNER = 1024
+
+
+def view_layout(tp: int) -> lc.Layout:
+    return lc.Layout(
+        lc.Mesh({"tp": tp}),
+        [
+            (r"^qkv$", lc.Fused(lc.P("tp", None), list(PER_GROUP.items()), groups=GROUPS)),
+            (r"^fc1$", lc.Fused(lc.P("tp", None), [("gate", FFN), ("up", FFN)])),
+            (r"^embed$", lc.Padded(lc.P("tp", None), VOCAB)),
+        ],
+    )
+
+
+def view_arrays() -> dict[str, torch.Tensor]:
+    """The stored arrays: distinct values everywhere, so a misplaced row would show."""
+    shapes = {**{p: (GROUPS * n, HIDDEN) for p, n in PER_GROUP.items()}, "gate": (FFN, HIDDEN), "up": (FFN, HIDDEN)}
+    shapes["embed"] = (VOCAB, HIDDEN)
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        out[name] = full_array(shape) + offset
+        offset += math.prod(shape)
+    return out
+
+
+def view_boxes(tp: int, rank: int, pad_rows: int) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The rows of each stored array that rank ``rank`` of TP=``tp`` needs: its groups of the
+    qkv parts, its torch.chunk rows of gate and up, its logical rows of the padded vocabulary."""
+    g = GROUPS // tp
+    boxes = {p: ((rank * g * n, (rank + 1) * g * n), (0, HIDDEN)) for p, n in PER_GROUP.items()}
+    f = FFN // tp
+    boxes.update({p: ((rank * f, (rank + 1) * f), (0, HIDDEN)) for p in ("gate", "up")})
+    boxes["embed"] = ((min(rank * pad_rows, VOCAB), min((rank + 1) * pad_rows, VOCAB)), (0, HIDDEN))
+    return boxes
+
+
+def view_state(tp: int, rank: int, pad_rows: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s fused and padded tensors, assembled from the boxes above."""
+    full, boxes = view_arrays(), view_boxes(tp, rank, pad_rows)
+    rows = {name: full[name][slice(*box[0])] for name, box in boxes.items()}
+    g = GROUPS // tp
+    qkv = torch.cat([rows[p].reshape(g, n, HIDDEN) for p, n in PER_GROUP.items()], dim=1).reshape(-1, HIDDEN)
+    embed = torch.zeros(pad_rows, HIDDEN)
+    embed[: len(rows["embed"])] = rows["embed"]
+    return {"qkv": qkv, "fc1": torch.cat([rows["gate"], rows["up"]]), "embed": embed}
+
+
+def _save_views(rank, group, path):
+    before = bytes_read()
+    lc.save(path, view_state(2, rank, 128), view_layout(2), group=group, inner_chunk_bytes=VIEW_INNER)
+    return bytes_read() - before
+
+
+def _load_views(rank, group, path, tp, pad_rows):
+    want = view_state(tp, rank, pad_rows)
+    like = {name: torch.empty_like(t, device="meta") for name, t in want.items()}
+    before = bytes_read()
+    got = lc.load(path, view_layout(tp), like=like, group=group)
+    fetched = bytes_read() - before
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), (rank, name)
+    return fetched
+
+
+@pytest.mark.parametrize(
+    ("tp", "pad_rows"),
+    [(4, 64), (4, 128), (3, 84), (1, 256)],
+    # tp4-wide: ranks 2 and 3 hold only padding rows of the vocabulary, and read none of it.
+    ids=["tp4", "tp4-wide", "tp3", "tp1"],
+)
+def test_resharded_load_of_fused_and_padded_arrays_fetches_only_the_chunks_it_needs(ranks, tmp_path, tp, pad_rows):
+    path = str(tmp_path / "views")
+    assert ranks.run(_save_views, 2, path) == [0, 0]
+    rd = lc.open(path)
+    infos = {name: rd.info(name) for name in ("qkv.q", "qkv.k", "qkv.v", "fc1.gate", "fc1.up", "embed")}
+    # The padded vocabulary is stored in shards of the 128 rows each saving rank held.
+    assert infos["embed"].shard_shape == (128, HIDDEN) and infos["embed"].shape == (VOCAB, HIDDEN)
+    # Several inner chunks per shard (of about VIEW_INNER bytes, or the planner's smallest).
+    assert all(math.prod(s // c for s, c in zip(i.shard_shape, i.inner_chunk_shape)) > 1 for i in infos.values())
+
+    for rank, fetched in enumerate(ranks.run(_load_views, tp, path, tp, pad_rows)):
+        boxes = view_boxes(tp, rank, pad_rows)
+        parts = [(infos[name], boxes[name.rpartition(".")[2]]) for name in infos]
+        needed = sum(math.prod(b - a for a, b in box) * i.dtype.itemsize for i, box in parts)
+        allowed = sum(chunk_accounting(i, box) for i, box in parts if all(b > a for a, b in box))
+        assert needed <= fetched <= allowed, (rank, tp, fetched, needed, allowed)
+        # Exactly: each inner chunk its rows overlap, once, and the index of each shard they lie
+        # in; no chunk of another rank's groups or rows, none of a padding row.
+        assert fetched / allowed == 1.0, (rank, tp, fetched, needed, allowed)
+        if all(aligned(i, box) for i, box in parts):
+            assert fetched <= BOUND * needed, (rank, tp, fetched, needed)

@@ -16,6 +16,7 @@ import torch
 
 import layoutckpt as lc
 from layoutckpt.layout._layout import parse_spec
+from layoutckpt.layout._names import to_global
 from tests.support.oracle import local_shard as oracle_shard
 from tests.support.paths import SPECS
 
@@ -161,7 +162,46 @@ EXPECTED = {
 
 
 def test_every_spec_file_is_covered():
-    assert sorted(p.name for p in SPECS.glob("*.toml")) == sorted(MESHES)
+    assert sorted(p.name for p in SPECS.glob("*.toml")) == sorted([*MESHES, "megatron_gpt.toml"])
+
+
+def test_megatron_spec_file_declares_the_model_in_its_comments():
+    """megatron_gpt.toml: its mesh, global names and the fused and padded pieces of the sizes it states."""
+    layout = lc.Layout.from_file(SPECS / "megatron_gpt.toml")
+    assert layout.mesh == lc.Mesh({"pp": 4, "ep": 2, "tp": 2}) and layout.stage_axes == ("pp", "ep")
+    for _, spec in layout.rules:
+        assert parse_spec(repr(spec)) == spec
+    coords = {"pp": 3, "ep": 1, "tp": 1}  # the last stage, second expert-parallel rank
+    local = [
+        "decoder.layers.7.self_attention.linear_qkv.weight",
+        "decoder.layers.7.mlp.experts.local_experts.3.linear_fc1.weight",
+        "optim.exp_avg.decoder.layers.0.mlp.router.weight",
+        "output_layer.weight",
+    ]
+    assert list(to_global(layout.names, local, coords).values()) == [
+        "decoder.layers.31.self_attention.linear_qkv.weight",
+        "decoder.layers.31.mlp.experts.local_experts.7.linear_fc1.weight",
+        "optim.exp_avg.decoder.layers.24.mlp.router.weight",
+        "output_layer.weight",
+    ]
+    # linear_qkv at tp=2: 4 of the 8 query groups, (4 + 2) * 128 rows each.
+    qkv = layout.spec_for("decoder.layers.31.self_attention.linear_qkv.weight")
+    cuts = qkv.cuts("decoder.layers.31.self_attention.linear_qkv.weight", (3072, 4096), layout.mesh, coords)
+    assert [(n.split(".")[-2], c.groups * c.width) for n, c in cuts] == [("q", 2048), ("k", 512), ("v", 512)]
+    for name in (
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+    ):
+        cuts = layout.spec_for(name).cuts(name, (14336, 4096), layout.mesh, coords)
+        assert [(n.split(".")[-2], c.width) for n, c in cuts] == [("gate", 7168), ("up", 7168)]
+    # 50257 rows padded to a multiple of 128 * tp: 25216 per rank; the last rank's tail is padding.
+    cut, start, rows = layout.spec_for("output_layer.weight").cut(
+        "output_layer.weight", (25216, 4096), layout.mesh, coords
+    )
+    assert (start, cut.width, rows) == (25216, 50257 - 25216, 25216)
+    assert layout.spec_for("decoder.layers.3.self_attention.linear_proj.weight") == P(None, "tp")
+    assert layout.spec_for("decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight") == P(None, "tp")
+    assert layout.spec_for("decoder.final_layernorm.weight") == P()
 
 
 @pytest.mark.parametrize("spec_file", list(MESHES))

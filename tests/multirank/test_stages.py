@@ -86,6 +86,16 @@ def _load_and_compare(rank: int, group, path: str, pp: int, tp: int) -> None:
         assert torch.equal(got[name], t), name
 
 
+def _load_without_template(rank: int, group, path: str) -> None:
+    """Without like=, each stored (global, logical) array comes back split as its rule says: a
+    fused part as its fused rule's P, whatever the part's own name matches."""
+    got = lc.load(path, layout(1, 2), group=group)
+    full = global_state()
+    q = got["layers"]["3"]["qkv"]["q"]["weight"]
+    assert torch.equal(q, full["layers.3.qkv.q.weight"].chunk(2)[rank])
+    assert torch.equal(got["layers"]["3"]["norm"]["weight"], full["layers.3.norm.weight"])
+
+
 @pytest.mark.parametrize("local_names", [True, False], ids=["local-names", "global-names"])
 def test_pipeline_stages_save_once_and_load_under_other_meshes(ranks: RankPool, tmp_path, local_names) -> None:
     path = str(tmp_path / "ckpt")
@@ -98,6 +108,7 @@ def test_pipeline_stages_save_once_and_load_under_other_meshes(ranks: RankPool, 
     ranks.run(_load_and_compare, 4, path, 1, 4)  # PP=1 x TP=4, another padding
     ranks.run(_load_and_compare, 4, path, 4, 1)  # PP=4 x TP=1
     _load_and_compare(0, None, path, 1, 1)  # one plain process
+    ranks.run(_load_without_template, 2, path)
 
 
 def _save_expecting(rank: int, group, path: str, case: str) -> None:
@@ -188,3 +199,39 @@ def test_zero_buffers_over_tensor_parallel_pieces_store_global_arrays(ranks: Ran
     ranks.run(_zero_load, 4, path, 2, 2)  # the same ZeRO-over-TP layout
     ranks.run(_zero_load, 4, path, 4, 1)  # ZeRO over four data-parallel ranks, no TP
     ranks.run(_zero_load, 2, path, 1, 2)  # TP=2, one data-parallel rank
+
+
+# --- a distributed optimizer per pipeline stage -----------------------------------------------------
+
+
+def stage_params(stage: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [(f"layers.{2 * stage + i}.w", (5, 3)) for i in range(2)]
+
+
+def stage_flat_layout() -> lc.Layout:
+    rules = [(rf"^optim\.{s}$", lc.Flat(stage_params(s), "dp")) for s in range(2)]
+    return lc.Layout(lc.Mesh({"pp": 2, "dp": 2}), [*rules, ("^shared$", lc.Flat([("s", (6,))], "dp")), (".*", lc.P())], stages="pp")
+
+
+def stage_values(stage: int) -> torch.Tensor:
+    return torch.arange(30.0) + 100 * stage
+
+
+def _stage_flat_save(rank: int, group, path: str) -> None:
+    stage, d = divmod(rank, 2)
+    state = {
+        "optim": {str(stage): stage_values(stage)[d * 15 : (d + 1) * 15].clone()},
+        "shared": torch.arange(6.0)[d * 3 : (d + 1) * 3].clone(),  # held alike on both stages
+    }
+    lc.save(path, state, stage_flat_layout(), group=group)
+
+
+def test_each_stage_saves_its_own_flat_buffer(ranks: RankPool, tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    ranks.run(_stage_flat_save, 4, path)
+    reader = lc.open(path)
+    for stage in range(2):
+        values = stage_values(stage).reshape(2, 5, 3)
+        for i, (name, _) in enumerate(stage_params(stage)):
+            assert np.array_equal(reader.read(f"optim.{stage}.{name}"), values[i].numpy()), name
+    assert np.array_equal(reader.read("shared.s"), np.arange(6.0))
