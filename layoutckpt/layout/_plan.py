@@ -296,8 +296,9 @@ def _piece_lengths(a: ArraySpec, mesh: Mesh) -> list[np.ndarray]:
 
 
 # Replica-parallel writes: a box held by several replicas is cut along one dimension into up to
-# that many stored shards, each written by another replica, none below the unit of balance
-# (a quarter of a rank's mean share of the state, and at least this).
+# that many stored shards, each written by another replica, each at most the unit of balance:
+# a fifth of a rank's mean share of the state (so no rank writes more than 1.2 times the mean,
+# give or take rounding), and no cut below this.
 MIN_SPLIT_BYTES = 4 << 20
 
 
@@ -325,7 +326,7 @@ def _splits(arrays: tuple[ArraySpec, ...], mesh: Mesh) -> tuple[Split, ...]:
 
 def _compute_splits(arrays: tuple[ArraySpec, ...], mesh: Mesh) -> tuple[Split, ...]:
     total = sum(a.itemsize * math.prod(a.shape) for a in arrays)
-    unit = max(MIN_SPLIT_BYTES, total // (4 * mesh.size))
+    unit = max(MIN_SPLIT_BYTES, total // (5 * mesh.size))
     return tuple(_split(a, a.mesh or mesh, unit) for a in arrays)
 
 
@@ -345,7 +346,9 @@ def _split(a: ArraySpec, mesh: Mesh, unit: int) -> Split:
     bytes, along the dimension that allows the most; a dimension the spec splits is cut only
     by a divisor of its pieces' length, so that every piece is whole shards."""
     piece = shard_shape(a.shape, a.spec, mesh, a.piece)
-    wanted = min(_replica_count(a, mesh), a.itemsize * math.prod(piece) // unit)
+    nbytes = a.itemsize * math.prod(piece)
+    # Parts of at most ``unit``: a rank's load then exceeds the mean by less than one part.
+    wanted = min(_replica_count(a, mesh), -(-nbytes // unit) if nbytes >= 2 * unit else 1)
     best = Split(piece)
     if wanted < 2:
         return best

@@ -63,7 +63,10 @@ def rank_state(pp: int, tp: int, rank: int, *, local_names: bool = True, pad_to:
         groups = range(t * G // tp, (t + 1) * G // tp)
         q, k, v = (full[f"layers.{i}.qkv.{n}.weight"] for n in "qkv")
         out[f"layers.{local}.qkv.weight"] = torch.cat(
-            [torch.cat([q[g * QPG * HD : (g + 1) * QPG * HD], k[g * HD : (g + 1) * HD], v[g * HD : (g + 1) * HD]]) for g in groups]
+            [
+                torch.cat([q[g * QPG * HD : (g + 1) * QPG * HD], k[g * HD : (g + 1) * HD], v[g * HD : (g + 1) * HD]])
+                for g in groups
+            ]
         )
         gate, up = full[f"layers.{i}.fc1.gate.weight"], full[f"layers.{i}.fc1.up.weight"]
         f = FFN // tp
@@ -210,7 +213,9 @@ def stage_params(stage: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def stage_flat_layout() -> lc.Layout:
     rules = [(rf"^optim\.{s}$", lc.Flat(stage_params(s), "dp")) for s in range(2)]
-    return lc.Layout(lc.Mesh({"pp": 2, "dp": 2}), [*rules, ("^shared$", lc.Flat([("s", (6,))], "dp")), (".*", lc.P())], stages="pp")
+    return lc.Layout(
+        lc.Mesh({"pp": 2, "dp": 2}), [*rules, ("^shared$", lc.Flat([("s", (6,))], "dp")), (".*", lc.P())], stages="pp"
+    )
 
 
 def stage_values(stage: int) -> torch.Tensor:

@@ -23,7 +23,10 @@ MiB = 1 << 20
 
 def writer_bytes(arrays: list[_plan.ArraySpec], mesh: lc.Mesh) -> np.ndarray:
     return np.array(
-        [sum(_plan.box_size(box) * arrays[i].itemsize for i, box in _plan.writes_of(arrays, mesh, r)) for r in range(mesh.size)]
+        [
+            sum(_plan.box_size(box) * arrays[i].itemsize for i, box in _plan.writes_of(arrays, mesh, r))
+            for r in range(mesh.size)
+        ]
     )
 
 
