@@ -29,6 +29,8 @@ from .base._errors import InvalidNameError as InvalidNameError
 from .base._errors import LayoutError as LayoutError
 from .base._errors import ManagerLockedError as ManagerLockedError
 from .base._errors import NewerFormatError as NewerFormatError
+from .base._errors import PersistError as PersistError
+from .base._errors import PersistWarning as PersistWarning
 from .base._errors import SaveError as SaveError
 from .base._errors import TemplateMismatchError as TemplateMismatchError
 from .base._errors import WorldSizeError as WorldSizeError
@@ -48,5 +50,6 @@ from .layout._spec import Mesh as Mesh
 from .layout._spec import P as P
 from .layout._views import Fused as Fused
 from .layout._views import Padded as Padded
+from .tiers import TierMetrics as TierMetrics
 
 _register_zarr_dtypes()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import os
-import re
 import socket
 import time
 from collections.abc import Mapping
@@ -31,46 +30,33 @@ from typing import Any
 
 import attrs
 
+from . import _rankstate
 from ._load import Select, load, load_rank_state
 from ._reader import Reader
 from ._save import SaveResult, start
-from .base import _faults
+from ._steps import (  # noqa: F401 - re-exported: cli/ and the tests import them from here
+    STEP_PREFIX,
+    committed_steps,
+    leftovers,
+    remove_leftovers,
+    retire_step,
+    step_dir,
+    step_folders,
+    step_of,
+    to_delete,
+)
 from .base._errors import CheckpointNotFoundError, ManagerLockedError
 from .base._futures import SaveFuture
 from .base._options import IOConfig, SaveOptions
 from .layout._layout import Layout
-from .storage import _commit, _store
+from .storage import _store
 from .storage._commit import LEFTOVER
-from .storage._location import MARKER, Location, locate
+from .storage._location import locate
+from .tiers import TIER_KEY, Choice, LocalTier, TierMetrics, Tiers, agree, fetch_missing, layout_key
 from .torch._dist import comm_for
 
-_STEP = re.compile(r"^step_(\d+)$")
-STEP_PREFIX = "step_"
 LOCK_FILE = ".layoutckpt.lock"
-
-
-def step_dir(step: int) -> str:
-    """The folder (or key prefix) of ``step`` under a manager's root."""
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step whose folder is called ``name`` (``step_dir``'s inverse), or None."""
-    m = _STEP.match(name)
-    return int(m.group(1)) if m else None
-
-
-def to_delete(steps: list[int], keep_last: int | None, keep_every: int | None) -> list[int]:
-    """The committed steps retention removes: all but the newest ``keep_last``, the multiples of
-    ``keep_every``, and (always) the newest one."""
-    steps = sorted(steps)
-    if not steps:
-        return []
-    keep = set(steps if keep_last is None else steps[max(0, len(steps) - keep_last) :])
-    if keep_every is not None:
-        keep.update(s for s in steps if s % keep_every == 0)
-    keep.add(steps[-1])
-    return [s for s in steps if s not in keep]
+_ANY = object()  # no layout given: a fast-tier piece of any layout will do
 
 
 class CheckpointManager:
@@ -81,6 +67,16 @@ class CheckpointManager:
     and any other keyword of ``lc.save_async`` (``inner_chunk_bytes``, ``compression``,
     ``host_memory_budget``, ...) apply to every save, and ``save(..., **options)`` overrides
     them for one.
+
+    With ``local=`` the manager keeps two tiers: every save commits to ``local`` (host memory
+    ``"memory://run/{rank}"``, or a node-local directory such as ``"/nvme/run/{rank}"``; ``{rank}``
+    is the rank in the group) on each rank, keeping its newest ``local_keep_last`` steps, and
+    every ``persist_every``-th step is persisted to ``root`` (the durable tier) in the background,
+    an ordinary checkpoint under ``keep_last``/``keep_every``. ``replicas=1`` also keeps each
+    rank's piece on a peer rank's fast tier. ``load`` then restores the newest step that some
+    tier holds for every rank, from the fastest (see "Multi-tier checkpoints" in the docs); with
+    tiers, ``latest_step``, ``load``, ``load_rank_state``, ``load_state``, ``metadata`` and
+    ``reader`` are collective (every rank calls them).
 
     >>> mgr = CheckpointManager("ckpts", keep_last=3, keep_every=1000)  # doctest: +SKIP
     >>> mgr.save(step, state, layout)        # async: returns once the state is staged
@@ -96,9 +92,14 @@ class CheckpointManager:
         async_save: bool = True,
         group: Any = None,
         io: IOConfig | None = None,
+        local: str | os.PathLike[str] | None = None,
+        local_keep_last: int = 2,
+        persist_every: int = 1,
+        replicas: int = 0,
         **save_options: Any,
     ) -> None:
         _check_retention(keep_last, keep_every)
+        _check_tiers(local, local_keep_last, persist_every, replicas)
         self._loc = locate(root)
         # A local root stays a Path (its historical type); an object store's is its URL.
         self.root: Path | str = Path(self._loc.url) if self._loc.is_local else self._loc.url
@@ -122,7 +123,7 @@ class CheckpointManager:
                 if isinstance(self.root, Path):
                     self.root.mkdir(parents=True, exist_ok=True)
                     self._lock_fd = _take_lock(self.root)
-                    _remove_leftovers(self.root)
+                    remove_leftovers(self.root)
                 self._retention = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="layoutckpt-retain")
             except Exception as err:  # noqa: BLE001 - every rank raises below
                 error = err
@@ -136,6 +137,35 @@ class CheckpointManager:
             kind, _, detail = status.decode().partition(":")
             message = f"cannot manage {os.fspath(self.root)!r}: rank 0 raised {detail}"
             raise ManagerLockedError(message) if kind == "locked" else RuntimeError(message)
+        self._tiers: Tiers | None = None
+        self._local_fd: int | None = None
+        if local is not None:
+            self._open_tiers(os.fspath(local), local_keep_last, persist_every, replicas)
+
+    def _open_tiers(self, local: str, keep_last: int, persist_every: int, replicas: int) -> None:
+        """Every rank locks and cleans its own fast tier (a directory); all learn whether all could."""
+        error: Exception | None = None
+        try:
+            tier = LocalTier(local.replace("{rank}", str(self._comm.rank)), self._defaults.io)
+            if tier.root.is_local:
+                self._local_fd = _take_lock(Path(tier.root.url))
+            tier.clean()
+        except Exception as err:  # noqa: BLE001 - every rank raises below
+            error = err
+        (failed,) = self._comm.all_reduce([int(error is not None)], "max")
+        if failed:
+            self._release_lock()
+            if error is not None:
+                raise error
+            raise ManagerLockedError(f"cannot manage the fast tier {local!r}: another rank could not open its own")
+        self._tiers = Tiers(
+            tier,
+            comm=self._comm,
+            keep_last=keep_last,
+            persist_every=persist_every,
+            replicas=replicas,
+            persist=self._persist,
+        )
 
     def __repr__(self) -> str:
         return f"CheckpointManager({os.fspath(self.root)!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -161,9 +191,45 @@ class CheckpointManager:
         return committed_steps(self._loc)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None if there is none yet (a save in progress is not one)."""
+        """The newest committed step, or None if there is none yet (a save in progress is not one).
+
+        With tiers: the step ``load`` restores (under the layout the run saved with), agreed by
+        every rank (collective).
+        """
+        if self._tiers is not None:
+            try:
+                return self._choose(None, None).step
+            except CheckpointNotFoundError:
+                return None
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def local_steps(self) -> list[int]:
+        """The steps committed on this rank's fast tier, oldest first (empty without tiers)."""
+        return committed_steps(self._tiers.tier.where()) if self._tiers is not None else []
+
+    def tier_metrics(self) -> TierMetrics:
+        """This rank's tiered checkpointing so far: copy and write times, persists started,
+        committed, skipped and failed, where the last restore read from (``lc.TierMetrics``)."""
+        return self._tiers.metrics if self._tiers is not None else TierMetrics()
+
+    def _choose(self, step: int | None, layout_key: str | None) -> Choice:
+        assert self._tiers is not None
+        self._tiers._start_deferred()  # a collective of every rank, as this call is
+        return agree(self._tiers.tier, self._comm, self._loc, step, layout_key)
+
+    def _restorable(self, step: int | None, layout: Any = _ANY) -> tuple[Path | str, bool]:
+        """Where ``step`` (default: the newest every rank can restore) is read on this rank, and
+        whether that is its fast-tier piece; a piece only a peer holds is fetched first."""
+        if self._tiers is None:
+            return self._resolve(step), False
+        choice = self._choose(step, None if layout is _ANY else layout_key(layout))
+        if choice.tier == "durable":
+            self._tiers._record(restored_step=choice.step, restored_from="durable")
+            return self.path(choice.step), False
+        source = fetch_missing(self._tiers.tier, self._comm, choice)
+        self._tiers._record(restored_step=choice.step, restored_from=source)
+        return self._tiers.tier.piece(choice.step).url, True
 
     def _resolve(self, step: int | None) -> Path | str:
         if step is None:
@@ -194,6 +260,13 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if self._tiers is not None:
+            lazy = bool(options.pop("lazy", self._defaults.lazy))
+            _options(self._defaults, options)  # unknown keywords raise as without tiers
+            fut = self._tiers.save(step, state, layout, metadata=metadata, rank_state=rank_state, lazy=lazy)
+            if not self.async_save:
+                fut.result()
+            return fut
         mine = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite)
         fut = start(self.path(step), state, layout, _options(self._defaults, {**options, **mine}), copy=self.async_save)
         if not self.async_save:
@@ -201,6 +274,15 @@ class CheckpointManager:
         self._last = fut
         if self._retention is not None:
             # Queued now (so wait() sees it), run once this save has committed.
+            self._retiring.append(self._retention.submit(self._retire_after, fut))
+        return fut
+
+    def _persist(self, step: int, state: Any, layout: Layout | None, metadata: Any, rank_state: Any) -> SaveFuture:
+        """The durable tier's save of a fast-tier step: an ordinary async save of its host copy
+        (``lazy``: it copies on its own thread), with this manager's retention after it."""
+        mine = dict(step=step, metadata=metadata, rank_state=rank_state, lazy=True)
+        fut = start(self.path(step), state, layout, _options(self._defaults, mine), copy=True)
+        if self._retention is not None:
             self._retiring.append(self._retention.submit(self._retire_after, fut))
         return fut
 
@@ -217,6 +299,8 @@ class CheckpointManager:
         is retiring until a barrier after ``wait()`` on every rank.
         """
         result = self._last.result() if self._last is not None else None
+        if self._tiers is not None:
+            result = self._tiers.wait()  # raises PersistError if the latest persist failed
         for f in self._retiring:
             f.result()
         self._retiring = [f for f in self._retiring if not f.done()]
@@ -227,6 +311,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._tiers is not None:
+                self._tiers.close()
             if self._retention is not None:
                 self._retention.shutdown(wait=True)
                 self._retention = None
@@ -240,6 +326,11 @@ class CheckpointManager:
             os.close(self._lock_fd)
             _LOCK_FDS.discard(self._lock_fd)
             self._lock_fd = None
+        if getattr(self, "_local_fd", None) is not None:
+            fcntl.flock(self._local_fd, fcntl.LOCK_UN)
+            os.close(self._local_fd)
+            _LOCK_FDS.discard(self._local_fd)
+            self._local_fd = None
 
     # Loading ------------------------------------------------------------------------------------
     def load(
@@ -252,10 +343,17 @@ class CheckpointManager:
         strict: bool = True,
         **options: Any,
     ) -> Any:
-        """Load ``step`` (default: the latest committed) under ``layout``; see ``lc.load``."""
-        path = self._resolve(step)
+        """Load ``step`` (default: the latest committed) under ``layout``; see ``lc.load``.
+
+        With tiers, from the fastest tier that holds the step for every rank: a fast-tier piece
+        holds this rank's shards as saved under ``layout``, so it serves only the layout and
+        world size that saved it (another one reads the durable tier, which reshards).
+        """
+        path, piece = self._restorable(step, layout)
         options.setdefault("io", self._defaults.io)
-        return load(path, layout, like=like, select=select, strict=strict, group=self._group, **options)
+        return load(
+            path, None if piece else layout, like=like, select=select, strict=strict, group=self._group, **options
+        )
 
     def load_state(
         self,
@@ -270,7 +368,8 @@ class CheckpointManager:
         whose ``LoadStateResult`` it returns."""
         from ._training import load_state
 
-        return load_state(self._resolve(step), model, optimizer, layout, group=self._group, **options)
+        path, piece = self._restorable(step)
+        return load_state(path, model, optimizer, None if piece else layout, group=self._group, **options)
 
     def load_rank_state(self, step: int | None = None, *, redistribute: Any = None) -> Any:
         """This rank's ``rank_state=`` of ``step`` (default: the latest); see ``lc.load_rank_state``.
@@ -278,11 +377,15 @@ class CheckpointManager:
         ``redistribute(states, rank, world)`` maps the saved ranks' documents to this rank's when
         the world size changed. Raises ``CheckpointNotFoundError`` if there is no such step.
         """
-        return load_rank_state(self._resolve(step), group=self._group, redistribute=redistribute)
+        path, piece = self._restorable(step)
+        if piece:
+            return _rankstate.read_one(locate(path), 0)
+        return load_rank_state(path, group=self._group, redistribute=redistribute)
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The user metadata of ``step`` (default: latest), read without loading any array."""
-        return dict(_store.read_meta(self._resolve(step)).user_metadata)
+        path, _ = self._restorable(step)
+        return {k: v for k, v in _store.read_meta(path).user_metadata.items() if k != TIER_KEY}
 
     def reader(self, step: int | None = None) -> Reader:
         """A ``Reader`` (as ``lc.open`` returns) of ``step`` (default: the latest committed).
@@ -290,7 +393,7 @@ class CheckpointManager:
         Raises ``CheckpointNotFoundError`` if there is no such step. Use it as
         ``with mgr.reader() as rd:``.
         """
-        return Reader(self._resolve(step), io=self._defaults.io)
+        return Reader(self._restorable(step)[0], io=self._defaults.io)
 
 
 _LOCK_FDS: set[int] = set()
@@ -326,19 +429,14 @@ def _take_lock(root: Path) -> int:
     return fd
 
 
-def _remove_leftovers(root: Path) -> None:
-    """Crash leftovers under the lock: unfinished saves and deletions, uncommitted step folders.
-
-    An ``.old-`` folder is a committed checkpoint set aside by an overwrite; if the crash came
-    before its replacement was renamed into place, it is put back instead of deleted.
-    """
-    for name, action in leftovers(root):
-        if action == "restore":
-            m = LEFTOVER.match(name)
-            assert m is not None
-            _commit.rename(root / name, root / m.group("name"))
-        else:
-            _commit.remove_tree(root / name)
+def _check_tiers(local: Any, keep_last: Any, persist_every: Any, replicas: Any) -> None:
+    for name, value in (("local_keep_last", keep_last), ("persist_every", persist_every)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if replicas not in (0, 1) or isinstance(replicas, bool):
+        raise ValueError(f"replicas must be 0 or 1 (copies of each rank's fast tier on a peer), got {replicas!r}")
+    if local is None and replicas:
+        raise ValueError("replicas=1 copies the fast tier to a peer: give the fast tier too, as local=")
 
 
 def _check_retention(keep_last: int | None, keep_every: int | None) -> None:
@@ -357,46 +455,7 @@ def _options(base: SaveOptions, changes: Mapping[str, Any]) -> SaveOptions:
     return attrs.evolve(base, **changes)
 
 
-def retire_step(root: str | os.PathLike[str] | Location, step: int) -> None:
-    """Delete the committed ``step`` under the manager root ``root`` so that it is never listed
-    while partly deleted (``Location.retire``)."""
-    loc = locate(root)
-    _faults.point("manager.retire", url=f"{loc.url}/{step_dir(step)}")
-    locate(f"{loc.url}/{step_dir(step)}").retire()
-
-
 # Retention from outside a training job (``layoutckpt gc``, ``layoutckpt ls``) -----------------
-
-
-def leftovers(root: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """The crash leftovers under the manager root ``root``, as ``(entry name, action)``: what a
-    manager starting there (or ``collect_garbage``) does with each, ``"remove"`` or ``"restore"``
-    (a committed checkpoint an interrupted overwrite set aside, put back under its name)."""
-    found = []
-    for e in sorted(os.scandir(root), key=lambda e: e.name):
-        m = LEFTOVER.match(e.name)
-        if m:
-            final = Path(root, m.group("name"))
-            restore = m.group("kind") == "old" and not final.exists() and _store.is_committed(e.path)
-            found.append((e.name, "restore" if restore else "remove"))
-        elif _STEP.match(e.name) and e.is_dir() and not _store.is_committed(e.path):
-            found.append((e.name, "remove"))
-    return found
-
-
-def step_folders(root: str | os.PathLike[str]) -> list[tuple[int, str, bool]]:
-    """Every step folder under the local manager root ``root``, committed or not, as ``(step,
-    folder name, committed)`` in name order; empty where ``root`` is no directory."""
-    try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
-    for e in entries:
-        step = step_of(e.name)
-        if step is not None and e.is_dir():
-            found.append((step, e.name, _store.is_committed(e.path)))
-    return found
 
 
 def steps_after_cleanup(root: str | os.PathLike[str]) -> list[int]:
@@ -444,7 +503,7 @@ def collect_garbage(
         return to_delete(steps_after_cleanup(path), keep_last, keep_every)
     fd = _take_lock(path)
     try:
-        _remove_leftovers(path)
+        remove_leftovers(path)
         doomed = to_delete(committed_steps(loc), keep_last, keep_every)
         for step in doomed:
             retire_step(loc, step)
@@ -453,14 +512,3 @@ def collect_garbage(
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
         _LOCK_FDS.discard(fd)
-
-
-def committed_steps(root: str | os.PathLike[str] | Location) -> list[int]:
-    """The committed steps under the manager root ``root``, oldest first (``CheckpointManager.steps``)."""
-    loc = locate(root)
-    if loc.is_local:
-        return sorted(step for step, _, committed in step_folders(loc.url) if committed)
-    # One listing of the steps' keys finds every marker (``step_N/zarr.json``).
-    keys = loc.keys(STEP_PREFIX)
-    found = (step_of(k.removesuffix("/" + MARKER)) for k in keys if k.endswith("/" + MARKER))
-    return sorted(s for s in found if s is not None)

@@ -63,3 +63,13 @@ class IntegrityError(ValueError):
 
 class ManagerLockedError(RuntimeError):
     """Another ``CheckpointManager`` holds the root directory; two would interleave their saves."""
+
+
+class PersistError(SaveError):
+    """A background copy of a fast-tier checkpoint to the durable tier failed; training went on,
+    and the fast tier still holds the step."""
+
+
+class PersistWarning(RuntimeWarning):
+    """Issued by ``CheckpointManager.save`` for a background persist that failed since the last
+    call: a warning, not an error, so that the training loop keeps going."""

@@ -1,0 +1,255 @@
+"""Multi-tier checkpoints in a training loop: what a checkpoint every step costs the step.
+
+    .venv/bin/python benchmarks/tiers.py [--ranks 2] [--dim 512] [--layers 4] [--steps 20]
+        [--repeats 3] [--local memory] [--dir /tmp] [--json out.json]
+
+N local gloo ranks train a small Llama-like model data-parallel (gradients all-reduced, AdamW),
+and time every step in three modes, alternated repeat by repeat in one run so that the
+machine's drift falls on all of them:
+
+- ``none``: no checkpoint;
+- ``tiers``: ``CheckpointManager(durable, local=..., persist_every=10)`` saves model and
+  optimizer every step to the fast tier (``--local memory``: host memory; ``shm``: a directory
+  per rank under /dev/shm; ``disk``: under ``--dir``), and persists every 10th step to the
+  durable tier (a directory under ``--dir``) in the background;
+- ``dcp``: PyTorch DCP ``async_save`` every step (each waits for the previous, as DCP requires).
+
+It reports the median step time of each mode (the maximum over ranks of each rank's median over
+its steps, then the median over repeats), the ratio to ``none``, and for ``tiers`` the copy into
+host memory (the part of the save the loop waits for) next to the step time. Then it restores the
+newest step from the fast tier and a persisted step from the durable tier, and reports both
+times and their ratio. There is no GPU here: the copy runs on the caller's thread on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+MODES = ("none", "tiers", "dcp")
+
+
+def _model(dim: int, layers: int, vocab: int) -> Any:
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+            self.qkv, self.o = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+            self.up, self.down = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+            x = x + self.o(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+            return x + self.down(torch.nn.functional.silu(self.up(self.norm2(x))))
+
+    class Llama(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    return Llama()
+
+
+def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import layoutckpt as lc
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{opts['work']}/init", rank=rank, world_size=world)
+    # DCP's async_save runs its collectives on a thread: on the training loop's group they would
+    # interleave with the gradient all-reduces, so it gets a group of its own.
+    dcp_group = dist.new_group(backend="gloo")
+    model = _model(opts["dim"], opts["layers"], opts["vocab"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    layout = lc.Layout.replicated(lc.Mesh({"dp": world}))  # data-parallel: every rank holds it all
+    tokens = torch.randint(
+        0, opts["vocab"], (opts["batch"], opts["seq"]), generator=torch.Generator().manual_seed(rank)
+    )
+
+    def train_step() -> None:
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad()
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    train_step()  # the optimizer's moments exist from here on
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    local = {"memory": "memory://bench-{run}/{{rank}}", "shm": "/dev/shm/lc-bench-{run}/{{rank}}"}.get(
+        opts["local"], os.path.join(opts["work"], "local-{run}", "{{rank}}")
+    )
+    restore: list[dict[str, float]] = []
+    for rep in range(opts["repeats"]):
+        for mode in MODES:
+            run = f"{rep}-{mode}"
+            durable = os.path.join(opts["work"], f"durable-{run}")
+            times, copies = [], []
+            mgr = None
+            if mode == "tiers":
+                mgr = lc.CheckpointManager(durable, local=local.format(run=run), persist_every=10, keep_last=2)
+            pending = None
+            for step in range(1, opts["steps"] + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                train_step()
+                if mgr is not None:
+                    mgr.save(step, state(), layout)
+                    copies.append(mgr.tier_metrics().copy_seconds)
+                elif mode == "dcp":
+                    if pending is not None:
+                        pending.result()
+                    pending = dcp.async_save(
+                        state(), checkpoint_id=os.path.join(durable, f"step_{step}"), process_group=dcp_group
+                    )
+                times.append(time.perf_counter() - t0)
+            if pending is not None:
+                pending.result()
+            skip = min(3, len(times) // 2)  # first steps: buffers allocated, plans made
+            results[mode].append(
+                {"step": statistics.median(times[skip:]), "copy": statistics.median(copies[skip:]) if copies else 0.0}
+            )
+            if mgr is not None:
+                mgr.wait()
+                persisted = max(mgr.steps())
+                mgr.close()
+                restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist))
+                if opts["local"] != "memory":
+                    shutil.rmtree(local.format(run=run).replace("{rank}", str(rank)), ignore_errors=True)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(durable, ignore_errors=True)
+                if mode == "tiers" and opts["local"] != "memory":  # the folder of the ranks' folders
+                    shutil.rmtree(os.path.dirname(local.format(run=run)), ignore_errors=True)
+    out.put((rank, {"modes": results, "restore": restore, "state_bytes": _nbytes(state())}))
+    dist.destroy_process_group()
+
+
+def _restore(lc: Any, durable: str, local: str, layout: Any, persisted: int, dist: Any) -> dict[str, float]:
+    with lc.CheckpointManager(durable, local=local) as mgr:
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.load(layout)
+        fast = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.load(layout, step=persisted)
+        slow = time.perf_counter() - t0
+        assert mgr.tier_metrics().restored_from == "durable"
+    return {"fast": fast, "durable": slow}
+
+
+def _nbytes(state: Any) -> int:
+    import torch
+
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_nbytes(v) for v in state)
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
+
+
+def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    repeats = len(per_rank[0]["modes"]["none"])
+    rows = {}
+    for mode in MODES:
+        step = [max(r["modes"][mode][i]["step"] for r in per_rank) for i in range(repeats)]
+        copy = [max(r["modes"][mode][i]["copy"] for r in per_rank) for i in range(repeats)]
+        rows[mode] = {
+            "step_s": statistics.median(step),
+            "copy_s": statistics.median(copy),
+            "spread": [min(step), max(step)],
+        }
+    for mode in MODES:
+        rows[mode]["vs_none"] = rows[mode]["step_s"] / rows["none"]["step_s"]
+    fast = statistics.median(max(r["restore"][i]["fast"] for r in per_rank) for i in range(repeats))
+    slow = statistics.median(max(r["restore"][i]["durable"] for r in per_rank) for i in range(repeats))
+    return {"rows": rows, "restore": {"fast_s": fast, "durable_s": slow, "durable_over_fast": slow / fast}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--local", choices=("memory", "shm", "disk"), default="memory")
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    work = tempfile.mkdtemp(prefix="lc-tiers-", dir=args.dir)
+    opts = {**vars(args), "work": work, "id": uuid.uuid4().hex[:6]}
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, opts, out)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    per_rank = {}
+    while len(per_rank) < len(procs):
+        try:
+            rank, result = out.get(timeout=5)
+            per_rank[rank] = result
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise SystemExit("a rank failed; see its traceback above") from None
+    for p in procs:
+        p.join()
+    shutil.rmtree(work, ignore_errors=True)
+    summary = _summary([per_rank[r] for r in range(args.ranks)])
+    summary["state_mb_per_rank"] = per_rank[0]["state_bytes"] / 2**20
+    print(
+        f"{args.ranks} ranks, {summary['state_mb_per_rank']:.1f} MiB of model+optimizer per rank, local tier {args.local}"
+    )
+    print(f"{'mode':8} {'step (s)':>10} {'vs none':>8} {'copy (s)':>10}  spread over {args.repeats} repeats")
+    for mode, row in summary["rows"].items():
+        print(
+            f"{mode:8} {row['step_s']:10.4f} {row['vs_none']:8.3f} {row['copy_s']:10.4f}  {row['spread'][0]:.4f}-{row['spread'][1]:.4f}"
+        )
+    r = summary["restore"]
+    print(
+        f"restore: fast tier {r['fast_s']:.4f} s, durable tier {r['durable_s']:.4f} s, durable/fast {r['durable_over_fast']:.2f}x"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **summary}, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,147 @@
+"""Copy a rank's state into host buffers that become the fast tier's piece of one step.
+
+The copy is all the training loop waits for (or, with ``lazy``, all that ``wait_staged`` waits
+for). Buffers come from the tier's own pool and go back once the piece is written, replicated
+and persisted, so a loop that checkpoints every step allocates nothing after the first steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .. import _rankstate
+from ..format._hierarchy import check_user_metadata
+from ..layout._tree import flatten, is_array_leaf
+from ..torch._dtensor import is_dtensor
+from ..torch._staging import HostBuffers
+from ..torch._torch import is_tensor, torch
+from ._local import Piece, leaf_meta, piece_meta
+
+
+@attrs.define(eq=False)
+class Staging:
+    """One step's piece and the copies that fill it; ``holds`` counts who still reads its
+    buffers (the tier's writer, a persist), which go back to the pool when it reaches 0."""
+
+    piece: Piece
+    leaves: dict[str, Any]  # the state's leaves: JSON values as given, arrays as host copies
+    structure: Any
+    dtensors: dict[str, Any]  # name -> the DTensor whose local shard the piece holds
+    copies: list[tuple[Any, Any]]  # (host destination, source)
+    buffers: list[Any]
+    pool: HostBuffers
+    holds: int = 1
+    event: Any = None  # a CUDA event: the device copies are done once it has passed
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def hold(self) -> None:
+        with self._lock:
+            self.holds += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self.holds -= 1
+            done, self.buffers = (self.buffers, []) if self.holds == 0 else ([], self.buffers)
+        for buf in done:
+            self.pool.release(buf)
+
+    def copy(self) -> None:
+        """Copy every source into its buffer (device sources on a side stream)."""
+        host = [(d, s) for d, s in self.copies if not is_tensor(s) or s.device.type == "cpu"]
+        device = [(d, s) for d, s in self.copies if is_tensor(s) and s.device.type != "cpu"]
+        tensors = [(d, s) for d, s in host if is_tensor(s)]
+        if tensors:
+            # One call for all: it releases the GIL once (see torch/_staging.stage_all).
+            torch._foreach_copy_([d for d, _ in tensors], [s.detach() for _, s in tensors])
+        for d, s in host:
+            if not is_tensor(s):
+                np.copyto(d, s, casting="no")
+        if device:
+            stream = torch.cuda.Stream(device=device[0][1].device)
+            stream.wait_stream(torch.cuda.current_stream(device[0][1].device))
+            with torch.cuda.stream(stream):
+                torch._foreach_copy_([d for d, _ in device], [s.detach() for _, s in device], non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+            for _, s in device:
+                s.record_stream(stream)
+        self.copies = []  # the live tensors are not kept alive by the piece
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def tree(self) -> Any:
+        """The state as it was at the save, built on the host copies (DTensors rebuilt around
+        them): what the durable tier's ordinary save writes."""
+        from ..layout._tree import unflatten
+
+        def leaf(name: str, node: Mapping[str, Any]) -> Any:
+            value = self.leaves[name]
+            d = self.dtensors.get(name)
+            if d is not None:
+                from torch.distributed.tensor import DTensor
+
+                return DTensor.from_local(
+                    value, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+                )
+            return value
+
+        return unflatten(self.structure, leaf)
+
+
+def stage(
+    state: Any,
+    pool_of: Callable[[bool], HostBuffers],
+    *,
+    step: int,
+    metadata: Mapping[str, Any] | None,
+    rank_state: Any,
+    info: dict[str, Any],
+) -> Staging:
+    """Check ``state`` and take a buffer for each array; ``Staging.copy`` fills them. Bad input
+    (a leaf that cannot be stored, metadata that is not JSON) raises here."""
+    check_user_metadata(metadata)
+    structure, leaves = flatten(state)
+    rank_doc = _rankstate.document(rank_state, 0, 1) if rank_state is not None else None
+    sources, dtensors = {}, {}
+    for name, leaf in leaves.items():
+        if not is_array_leaf(leaf):
+            continue
+        if is_dtensor(leaf):
+            dtensors[name] = leaf
+            leaf = leaf.to_local()
+        # Stored bytes are little-endian (as lc.save stores them): a big-endian array is converted.
+        sources[name] = leaf if is_tensor(leaf) else np.asarray(leaf).astype(np.asarray(leaf).dtype.newbyteorder("="))
+    # One pool per save: pinned host memory where the state is on a device.
+    pool = pool_of(any(is_tensor(s) and s.device.type == "cuda" for s in sources.values()))
+    metas = {name: leaf_meta(name, src if is_tensor(src) else leaves[name]) for name, src in sources.items()}
+    buffers: list[Any] = []
+    arrays = {name: _buffer(src, pool, buffers) for name, src in sources.items()}
+    copies = [(arrays[name], src) for name, src in sources.items()]
+    piece = Piece(
+        piece_meta(metas, structure, step, dict(metadata or {}), info, rank_doc is not None), arrays, rank_doc
+    )
+    return Staging(piece, {**leaves, **arrays}, structure, dtensors, copies, buffers, pool)
+
+
+def _buffer(src: Any, pool: HostBuffers, held: list[Any]) -> Any:
+    """A host array of ``src``'s shape and dtype, from ``pool`` (its buffer added to ``held``)."""
+    if is_tensor(src):
+        nbytes = src.numel() * src.element_size()
+        if nbytes == 0:
+            return torch.empty(src.shape, dtype=src.dtype)
+        buf = pool.acquire(nbytes)
+        held.append(buf)
+        return buf.view(src.dtype).view(src.shape)
+    if src.nbytes == 0:
+        return np.empty(src.shape, src.dtype)
+    buf = pool.acquire(src.nbytes)
+    held.append(buf)
+    raw = buf if isinstance(buf, np.ndarray) else buf.numpy()
+    return raw.view(src.dtype).reshape(src.shape)

@@ -1,0 +1,224 @@
+"""Multi-tier checkpoints (``CheckpointManager(local=...)``): saves commit to each rank's fast tier,
+persists to the durable tier are ordinary checkpoints, and a restore takes the newest step that
+some tier holds for every rank, bit for bit: from the rank's own tier, from a peer's replica when
+its own tier is lost, from the durable tier when the fast tiers cannot serve every rank, and never
+a step that only some ranks hold. Persist failures never stop the loop and are never lost.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import pytest
+import torch
+
+import layoutckpt as lc
+from layoutckpt.base import _faults
+from tests.support.s3server import running
+
+BUCKET = "tiers"
+FULL = 8  # rows of the tp-split array: ranks hold torch.chunk rows of it
+
+
+def full_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(7000 + step)
+    return {
+        "w": torch.randn(FULL, 6, generator=g),
+        "e": torch.randn(5, 4, generator=g).to(torch.bfloat16),
+        "step": step,
+    }
+
+
+def layout_for(world: int) -> lc.Layout:
+    return lc.Layout(lc.Mesh({"tp": world}), [(r"^w$", lc.P("tp", None)), (r".*", lc.P())])
+
+
+def local_state(step: int, rank: int, world: int) -> dict:
+    full = full_state(step)
+    return {"w": full["w"].chunk(world)[rank].clone(), "e": full["e"], "step": step}
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
+
+
+def assert_local(out: dict, step: int, rank: int, world: int) -> None:
+    want = local_state(step, rank, world)
+    assert out["step"] == step
+    for k in ("w", "e"):
+        assert same(out[k], want[k]), (k, step, rank)
+
+
+# --- one process -----------------------------------------------------------------------------------
+
+
+def test_every_step_local_some_persisted_and_restored_bit_exact(tmp_path):
+    layout = lc.Layout.replicated()
+    durable, local = tmp_path / "durable", tmp_path / "local" / "{rank}"
+    with lc.CheckpointManager(durable, local=local, local_keep_last=2, persist_every=3, keep_last=2) as mgr:
+        for step in range(1, 11):
+            mgr.save(step, local_state(step, 0, 1), layout, metadata={"step": step}, rank_state={"pos": step * 10})
+            mgr.wait()  # each persist finishes before the next is due: none is skipped
+        assert mgr.local_steps() == [9, 10]
+        assert mgr.steps() == [6, 9]
+        m = mgr.tier_metrics()
+        assert (m.saves, m.persists_started, m.persists_committed, m.persists_skipped) == (10, 3, 3, 0)
+        assert m.last_persisted_step == 9 and m.last_local_step == 10
+    # The durable tier's checkpoints are ordinary ones, and so is a rank's piece.
+    assert_local(lc.load(durable / "step_00000009"), 9, 0, 1)
+    assert lc.open(tmp_path / "local" / "0" / "step_00000010").read("w").shape == (FULL, 6)
+    with lc.CheckpointManager(durable, local=local, persist_every=3) as mgr:
+        assert mgr.latest_step() == 10
+        assert_local(mgr.load(layout), 10, 0, 1)
+        assert mgr.tier_metrics().restored_from == "local"
+        assert mgr.load_rank_state() == {"pos": 100} and mgr.metadata() == {"step": 10}
+        assert_local(mgr.load(layout, step=6), 6, 0, 1)  # only durable: read from there
+        assert mgr.tier_metrics().restored_from == "durable"
+        with pytest.raises(lc.CheckpointNotFoundError, match="step 7 cannot be restored"):
+            mgr.load(layout, step=7)
+    shutil.rmtree(tmp_path / "local")  # the node lost its local disk: the durable tier remains
+    with lc.CheckpointManager(durable, local=local, persist_every=3) as mgr:
+        assert mgr.latest_step() == 9
+        assert_local(mgr.load(layout), 9, 0, 1)
+
+
+def test_another_layout_reads_the_durable_tier(tmp_path):
+    with lc.CheckpointManager(tmp_path / "d", local=tmp_path / "l", persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, local_state(step, 0, 1), lc.Layout.replicated())
+            mgr.wait()
+        other = lc.Layout(lc.Mesh({"tp": 1}), [(r"^w$", lc.P("tp", None)), (r".*", lc.P())])
+        assert_local(mgr.load(other), 2, 0, 1)  # step 3 is a piece of another layout
+        assert_local(mgr.load(lc.Layout.replicated()), 3, 0, 1)
+
+
+def test_persist_failure_never_stops_training_and_is_reported(tmp_path):
+    def fail(**_):
+        raise OSError("the durable store is down")
+
+    layout = lc.Layout.replicated()
+    mgr = lc.CheckpointManager(tmp_path / "d", local="memory://" + uuid.uuid4().hex, persist_every=2)
+    with _faults.hooks({"save.write": fail}):
+        mgr.save(1, local_state(1, 0, 1), layout)
+        mgr.save(2, local_state(2, 0, 1), layout).result()  # the fast tier commits; the persist fails
+        with pytest.raises(lc.PersistError, match=r"persisting step 2 .* failed .* durable store is down"):
+            mgr.wait()
+    mgr.save(3, local_state(3, 0, 1), layout)  # wait() reported it: no warning now
+    m = mgr.tier_metrics()
+    assert m.persists_failed == 1 and "durable store is down" in m.last_persist_error
+    mgr.save(4, local_state(4, 0, 1), layout)
+    mgr.close()  # the persist of step 4 succeeds: nothing left to raise
+    assert mgr.steps() == [4] and mgr.local_steps() == [3, 4]
+
+
+def test_persist_failure_warns_at_the_next_save(tmp_path):
+    def fail(**_):
+        raise OSError("quota exceeded")
+
+    layout = lc.Layout.replicated()
+    with lc.CheckpointManager(tmp_path / "d", local=tmp_path / "l", persist_every=1) as mgr:
+        with _faults.hooks({"save.write": fail}):
+            mgr.save(1, local_state(1, 0, 1), layout)
+            while mgr.tier_metrics().persists_failed == 0:
+                mgr._tiers._persisting.exception()
+        with pytest.warns(lc.PersistWarning, match=r"persisting step 1 .* quota exceeded"):
+            mgr.save(2, local_state(2, 0, 1), layout)
+        mgr.wait()
+        assert mgr.steps() == [2]
+
+
+def test_bad_tier_options_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="replicas must be 0 or 1"):
+        lc.CheckpointManager(tmp_path / "d", local=tmp_path / "l", replicas=2)
+    with pytest.raises(ValueError, match="persist_every must be a positive integer"):
+        lc.CheckpointManager(tmp_path / "d", local=tmp_path / "l", persist_every=0)
+    with pytest.raises(ValueError, match="give the fast tier too"):
+        lc.CheckpointManager(tmp_path / "d", replicas=1)
+
+
+# --- several ranks, S3 as the durable tier -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with running(BUCKET) as server:
+        yield server
+
+
+def _train(rank, group, durable, local, env, steps, persist_every, lazy=False):
+    os.environ.update(env)
+    layout = layout_for(2)
+    with lc.CheckpointManager(durable, local=local, persist_every=persist_every, replicas=1, group=group) as mgr:
+        for step in steps:
+            fut = mgr.save(step, local_state(step, rank, 2), layout, rank_state={"rank": rank, "step": step}, lazy=lazy)
+            fut.wait_staged()
+            mgr.wait()
+        return mgr.local_steps(), mgr.steps()
+
+
+def _restore(rank, group, durable, local, env, wipe=()):
+    os.environ.update(env)
+    if rank in wipe:
+        shutil.rmtree(local.replace("{rank}", str(rank)), ignore_errors=True)
+    with lc.CheckpointManager(durable, local=local, replicas=1, persist_every=5, group=group) as mgr:
+        step = mgr.latest_step()
+        out = mgr.load(layout_for(2))
+        source = mgr.tier_metrics().restored_from
+        assert_local(out, step, rank, 2)
+        assert mgr.load_rank_state() == {"rank": rank, "step": step}
+        return step, source
+
+
+def _save_alone(rank, group, durable, local, env, step):
+    """Only rank 0 saves ``step`` (no persist is due): its tier gets ahead of rank 1's."""
+    os.environ.update(env)
+    with lc.CheckpointManager(durable, local=local, persist_every=100, group=group) as mgr:
+        if rank == 0:
+            mgr.save(step, local_state(step, rank, 2), layout_for(2)).result()
+    return True
+
+
+def test_two_ranks_replicas_restore_from_peer_then_durable(ranks, s3, tmp_path):
+    durable = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
+    local = os.fspath(tmp_path / "node{rank}")
+    got = ranks.run(_train, 2, durable, local, s3.env, range(1, 8), 5, True)
+    assert got == [([6, 7], [5])] * 2
+    # Each rank's own tier and its peer's replica serve step 7.
+    assert ranks.run(_restore, 2, durable, local, s3.env) == [(7, "local")] * 2
+    # Rank 1 loses its local disk: its piece comes from rank 0's replica, and heals its tier.
+    assert ranks.run(_restore, 2, durable, local, s3.env, (1,)) == [(7, "local"), (7, "peer")]
+    assert sorted(os.listdir(tmp_path / "node1")) == [".layoutckpt.lock", "step_00000007"]
+    # Both lose theirs: the durable tier's step 5.
+    assert ranks.run(_restore, 2, durable, local, s3.env, (0, 1)) == [(5, "durable")] * 2
+
+
+def test_a_rank_ahead_of_the_others_does_not_resume_alone(ranks, s3, tmp_path):
+    durable = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
+    local = os.fspath(tmp_path / "node{rank}")
+    ranks.run(_train, 2, durable, local, s3.env, range(1, 4), 2)
+    ranks.run(_save_alone, 2, durable, local, s3.env, 4)
+    assert (tmp_path / "node0" / "step_00000004").is_dir() and not (tmp_path / "node1" / "step_00000004").exists()
+    # Rank 0 holds step 4, rank 1 (and rank 0's replica holder) does not: both resume from 3.
+    assert ranks.run(_restore, 2, durable, local, s3.env) == [(3, "local")] * 2
+
+
+def _memory_tier(rank, group, name, durable):
+    layout = layout_for(2)
+    local = f"memory://{name}/{{rank}}"
+    with lc.CheckpointManager(durable, local=local, replicas=1, persist_every=4, group=group) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, local_state(step, rank, 2), layout).wait_staged()
+        mgr.wait()
+    with lc.CheckpointManager(durable, local=local, replicas=1, persist_every=4, group=group) as mgr:
+        assert_local(mgr.load(layout), 3, rank, 2)
+        return mgr.tier_metrics().restored_from
+
+
+def test_host_memory_tier_on_two_ranks(ranks, tmp_path):
+    assert ranks.run(_memory_tier, 2, uuid.uuid4().hex, os.fspath(tmp_path / "d")) == ["local"] * 2
