@@ -20,10 +20,7 @@ first, so a step is never listed while it is being deleted.
 from __future__ import annotations
 
 import concurrent.futures
-import fcntl
 import os
-import socket
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +30,7 @@ import attrs
 from . import _rankstate
 from ._load import Select, load, load_rank_state
 from ._reader import Reader
+from ._retention import check_retention, release_lock, take_lock
 from ._save import SaveResult, start
 from ._steps import (  # noqa: F401 - re-exported: cli/ and the tests import them from here
     STEP_PREFIX,
@@ -50,12 +48,10 @@ from .base._futures import SaveFuture
 from .base._options import IOConfig, SaveOptions
 from .layout._layout import Layout
 from .storage import _store
-from .storage._commit import LEFTOVER
 from .storage._location import locate
 from .tiers import TIER_KEY, Choice, LocalTier, TierMetrics, Tiers, agree, fetch_missing, layout_key
 from .torch._dist import comm_for
 
-LOCK_FILE = ".layoutckpt.lock"
 _ANY = object()  # no layout given: a fast-tier piece of any layout will do
 
 
@@ -98,7 +94,7 @@ class CheckpointManager:
         replicas: int = 0,
         **save_options: Any,
     ) -> None:
-        _check_retention(keep_last, keep_every)
+        check_retention(keep_last, keep_every)
         _check_tiers(local, local_keep_last, persist_every, replicas)
         self._loc = locate(root)
         # A local root stays a Path (its historical type); an object store's is its URL.
@@ -122,7 +118,7 @@ class CheckpointManager:
             try:
                 if isinstance(self.root, Path):
                     self.root.mkdir(parents=True, exist_ok=True)
-                    self._lock_fd = _take_lock(self.root)
+                    self._lock_fd = take_lock(self.root)
                     remove_leftovers(self.root)
                 self._retention = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="layoutckpt-retain")
             except Exception as err:  # noqa: BLE001 - every rank raises below
@@ -148,7 +144,7 @@ class CheckpointManager:
         try:
             tier = LocalTier(local.replace("{rank}", str(self._comm.rank)), self._defaults.io)
             if tier.root.is_local:
-                self._local_fd = _take_lock(Path(tier.root.url))
+                self._local_fd = take_lock(Path(tier.root.url))
             tier.clean()
         except Exception as err:  # noqa: BLE001 - every rank raises below
             error = err
@@ -320,16 +316,10 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
-            # Unlock explicitly: a forked child (a data loader worker) shares the descriptor,
-            # and a plain close would leave the root locked until that child exits.
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            _LOCK_FDS.discard(self._lock_fd)
+            release_lock(self._lock_fd)
             self._lock_fd = None
         if getattr(self, "_local_fd", None) is not None:
-            fcntl.flock(self._local_fd, fcntl.LOCK_UN)
-            os.close(self._local_fd)
-            _LOCK_FDS.discard(self._local_fd)
+            release_lock(self._local_fd)
             self._local_fd = None
 
     # Loading ------------------------------------------------------------------------------------
@@ -396,39 +386,6 @@ class CheckpointManager:
         return Reader(self._restorable(step)[0], io=self._defaults.io)
 
 
-_LOCK_FDS: set[int] = set()
-
-
-def _close_locks_in_child() -> None:
-    """A forked child must not keep the root locked after its parent's manager is gone."""
-    for fd in _LOCK_FDS:
-        try:
-            os.close(fd)  # the child's copy only: the parent's lock stays
-        except OSError:
-            pass
-    _LOCK_FDS.clear()
-
-
-os.register_at_fork(after_in_child=_close_locks_in_child)
-
-
-def _take_lock(root: Path) -> int:
-    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise ManagerLockedError(
-            f"another CheckpointManager ({holder}) manages this root; close it first, or give each "
-            "run its own root directory"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n".encode(), 0)
-    _LOCK_FDS.add(fd)
-    return fd
-
-
 def _check_tiers(local: Any, keep_last: Any, persist_every: Any, replicas: Any) -> None:
     for name, value in (("local_keep_last", keep_last), ("persist_every", persist_every)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -439,12 +396,6 @@ def _check_tiers(local: Any, keep_last: Any, persist_every: Any, replicas: Any) 
         raise ValueError("replicas=1 copies the fast tier to a peer: give the fast tier too, as local=")
 
 
-def _check_retention(keep_last: int | None, keep_every: int | None) -> None:
-    for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-
-
 def _options(base: SaveOptions, changes: Mapping[str, Any]) -> SaveOptions:
     """``base`` with ``changes`` (keywords of ``lc.save_async``); unknown ones raise ``TypeError``."""
     unknown = sorted(set(changes) - {f.name for f in attrs.fields(SaveOptions)} | ({"group"} & set(changes)))
@@ -453,62 +404,3 @@ def _options(base: SaveOptions, changes: Mapping[str, Any]) -> SaveOptions:
             f"CheckpointManager takes the keywords of lc.save_async besides group (given to the manager), not {unknown}"
         )
     return attrs.evolve(base, **changes)
-
-
-# Retention from outside a training job (``layoutckpt gc``, ``layoutckpt ls``) -----------------
-
-
-def steps_after_cleanup(root: str | os.PathLike[str]) -> list[int]:
-    """The committed steps under ``root`` once the crash leftovers are dealt with, oldest first:
-    those committed now, and those the cleanup puts back (``leftovers``: ``"restore"``)."""
-    loc = locate(root)
-    steps = set(committed_steps(loc))
-    if loc.is_local and Path(loc.url).is_dir():
-        for name, action in leftovers(loc.url):
-            m = LEFTOVER.match(name)
-            step = step_of(m.group("name")) if m and action == "restore" else None
-            if step is not None:
-                steps.add(step)
-    return sorted(steps)
-
-
-def collect_garbage(
-    root: str | os.PathLike[str], *, keep_last: int | None, keep_every: int | None = None, dry_run: bool = False
-) -> list[int]:
-    """Apply a manager's retention to ``root`` when no manager runs there; the steps deleted.
-
-    As a manager starting on ``root`` would, the crash leftovers go (see ``leftovers``); then
-    every committed step that ``to_delete`` retires for ``keep_last`` and ``keep_every`` is
-    deleted, the newest committed step never. The manager's lock is held throughout, so this
-    refuses (``ManagerLockedError``) while a ``CheckpointManager`` manages ``root``; a plain
-    ``save`` into ``root`` that is still running would lose its unfinished folder, so run it
-    when no job writes there. With ``dry_run`` nothing is touched (and no lock taken): the
-    steps returned are those that would go.
-    """
-    _check_retention(keep_last, keep_every)
-    loc = locate(root)
-    if not loc.is_local:
-        # No lock and no leftovers to sweep on an object store (see the module docstring).
-        doomed = to_delete(committed_steps(loc), keep_last, keep_every)
-        if not dry_run:
-            for step in doomed:
-                retire_step(loc, step)
-        return doomed
-    path = Path(loc.url)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(
-            2, f"no CheckpointManager root at {os.fspath(path)!r}: not a directory", os.fspath(path)
-        )
-    if dry_run:
-        return to_delete(steps_after_cleanup(path), keep_last, keep_every)
-    fd = _take_lock(path)
-    try:
-        remove_leftovers(path)
-        doomed = to_delete(committed_steps(loc), keep_last, keep_every)
-        for step in doomed:
-            retire_step(loc, step)
-        return doomed
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-        _LOCK_FDS.discard(fd)

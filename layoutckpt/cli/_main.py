@@ -16,7 +16,7 @@ go to stderr when it is a terminal (``--progress``/``--no-progress`` override).
 This module builds the parser and maps errors to exit codes; each command lives in its own
 module (see the package's docstring), which parses and prints while library functions do the
 work: ``_verify.verify``, ``_readplan.plan_reads`` (pure), ``export_safetensors`` and
-``_manager.collect_garbage``.
+``_retention.collect_garbage``.
 """
 
 from __future__ import annotations

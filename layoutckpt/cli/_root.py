@@ -82,7 +82,8 @@ def is_local(path: str) -> bool:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .._manager import collect_garbage, leftovers, step_dir, steps_after_cleanup
+    from .._retention import collect_garbage, steps_after_cleanup
+    from .._steps import leftovers, step_dir
 
     root = args.root
     if is_committed(root):

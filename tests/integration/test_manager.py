@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import layoutckpt as lc
-from layoutckpt import _manager
+from layoutckpt import _manager, _retention
 from layoutckpt.base import _faults
 from tests.support.oracle import local_shard
 
@@ -53,7 +53,7 @@ def entries(root: Path) -> list[str]:
 
 
 def dot_leftovers(root: Path) -> list[str]:
-    return [n for n in entries(root) if n.startswith(".") and n != _manager.LOCK_FILE]
+    return [n for n in entries(root) if n.startswith(".") and n != _retention.LOCK_FILE]
 
 
 def save_steps(mgr: lc.CheckpointManager, steps) -> None:
@@ -144,7 +144,7 @@ def test_retention_keep_last_and_keep_every(tmp_path):
         for s in expected:
             assert_state(mgr.load(step=s), s)
     # Deletion is complete: no renamed-aside directory is left, only the kept checkpoints.
-    assert entries(root) == sorted([_manager.LOCK_FILE, *(f"step_{s:08d}" for s in expected)])
+    assert entries(root) == sorted([_retention.LOCK_FILE, *(f"step_{s:08d}" for s in expected)])
 
 
 @pytest.mark.parametrize(
@@ -235,7 +235,7 @@ def test_bad_step(tmp_path, bad):
     with lc.CheckpointManager(tmp_path) as mgr:
         with pytest.raises(ValueError, match="step"):
             mgr.save(bad, state_of(1), LAYOUT)
-        assert entries(tmp_path) == [_manager.LOCK_FILE]
+        assert entries(tmp_path) == [_retention.LOCK_FILE]
 
 
 # --- restart -----------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def test_restart_removes_leftovers_and_restores_an_interrupted_overwrite(tmp_pat
     with lc.CheckpointManager(root) as mgr:
         assert entries(root) == [
             ".hidden",
-            _manager.LOCK_FILE,
+            _retention.LOCK_FILE,
             "notes.txt",
             "step_00000001",
             "step_00000003",
@@ -506,4 +506,4 @@ def test_multirank_save_dp2_tp2_load_tp3(ranks, tmp_path, async_save):
     results = ranks.run(_mr_load_other_mesh, 3, root)
     assert [r[0] for r in results] == [[2, 3]] * 3
     assert [r[1] for r in results] == [{"rank": r + 1, "s": 3} for r in range(3)]
-    assert sorted(os.listdir(root)) == [_manager.LOCK_FILE, "step_00000002", "step_00000003"]
+    assert sorted(os.listdir(root)) == [_retention.LOCK_FILE, "step_00000002", "step_00000003"]

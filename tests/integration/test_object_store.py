@@ -201,7 +201,7 @@ def test_path_forms():
 
 
 def test_manager_on_s3_lists_retains_and_resumes(s3):
-    from layoutckpt._manager import collect_garbage
+    from layoutckpt._retention import collect_garbage
 
     root = f"s3://{BUCKET}/mgr-{uuid.uuid4().hex[:8]}"
     with lc.CheckpointManager(root, keep_last=2) as mgr:
