@@ -9,8 +9,11 @@ moments, sharded tensor-parallel over ``tp = N`` -- and every system saves and l
 state: layoutckpt (``save``, ``save_async``, ``load`` under the same and a swapped layout, and
 single-process partial reads), ``torch.save``/``torch.load`` (one file per rank), PyTorch DCP
 (``save``, ``async_save``, same-layout and resharded ``load`` of DTensors), and safetensors (one
-process, rank 0's tensors). Beside them run the physical limits on the same bytes: a raw write +
-fsync, a raw read, and a memory copy of the local state.
+process, rank 0's tensors), and ByteCheckpoint where it imports. Loads run into fresh tensors and,
+apart, in place into tensors made once (layoutckpt ``inplace=True``, DCP, ByteCheckpoint). Beside
+them run the physical limits on the same bytes: a raw write + fsync, a raw read, and a memory copy
+of the local state. Under each table: bytes written per rank (max/mean) and data files, for the
+state and for one replicated 128 MiB tensor.
 
 Every operation runs on all ranks at once after a barrier (rank-0-only rows on rank 0 alone); the
 time of a repeat is the slowest rank's, and each row shows the median over ``--repeats`` and the
@@ -53,6 +56,7 @@ from _common import (
     local_shape,
     meminfo,
     model_dims,
+    nest,
     proc_io,
     release_memory,
     reset_peak_rss,
@@ -68,6 +72,8 @@ RSS_SLACK = 300e6  # the fixed part of the load-RSS target
 # Files written at once, over all ranks, by the parallel raw write: this disk's write rate rises
 # from one stream to two (1.6 to 1.9 GB/s, 1 GB fsync'd) and barely beyond (2.0-2.1 at eight).
 MACHINE_STREAMS = 8
+# One replicated tensor saved from every rank (issue 26): who writes its bytes.
+REPLICATED_BYTES = 128 << 20
 
 # A measurement: what it belongs to (for --only), which system's files it needs, and whether it
 # runs on rank 0 alone (no collectives).
@@ -83,6 +89,7 @@ MEASUREMENTS: dict[str, dict[str, Any]] = {
     "dcp_async": dict(group="async", system="dcp"),
     "st_save": dict(group="save", system="safetensors", rank0=True),
     "orbax_save": dict(group="save", system="orbax", rank0=True),
+    "bcp_save": dict(group="save", system="bcp"),
     # read cold, then warm, with the state dropped
     "raw_read": dict(group="load", system="limit", needs="raw_write", files="raw"),
     "lc_load": dict(group="load", system="lc", needs="lc_save", files="lc"),
@@ -92,6 +99,17 @@ MEASUREMENTS: dict[str, dict[str, Any]] = {
     "orbax_load": dict(group="load", system="orbax", needs="orbax_save", files="orbax", rank0=True),
     "lc_reshard": dict(group="reshard", system="lc", needs="lc_save", files="lc"),
     "dcp_reshard": dict(group="reshard", system="dcp", needs="dcp_save", files="dcp"),
+    # in place: into tensors made (and touched) once, before the reads, as a training job
+    # resumes into its model and optimizer; ``memcpy_load`` copies the same bytes between such
+    # tensors, ``raw_read_into`` reads the raw files into such a buffer (no files to evict)
+    "memcpy_load": dict(group="load", system="limit", needs="raw_write", files=None),
+    "raw_read_into": dict(group="load", system="limit", needs="raw_write", files="raw"),
+    "lc_load_inplace": dict(group="load", system="lc", needs="lc_save", files="lc"),
+    "dcp_load_inplace": dict(group="load", system="dcp", needs="dcp_save", files="dcp"),
+    "bcp_load": dict(group="load", system="bcp", needs="bcp_save", files="bcp"),
+    "lc_reshard_inplace": dict(group="reshard", system="lc", needs="lc_save", files="lc"),
+    "dcp_reshard_inplace": dict(group="reshard", system="dcp", needs="dcp_save", files="dcp"),
+    "bcp_reshard": dict(group="reshard", system="bcp", needs="bcp_save", files="bcp"),
     "raw_read_tensor": dict(group="partial", system="limit", needs="raw_write", files="raw", rank0=True),
     "lc_read_tensor": dict(group="partial", system="lc", needs="lc_save", files="lc", rank0=True),
     "torch_load_whole": dict(group="partial", system="torch", needs="torch_save", files="torch", rank0=True),
@@ -116,6 +134,7 @@ WRITE_ROWS = [
     ("save", "DCP save", "dcp_save", "seconds", "local", "peer"),
     ("save", "safetensors save_file+fsync (rank 0)", "st_save", "seconds", "local0", "peer"),
     ("save", "Orbax save (rank 0)", "orbax_save", "seconds", "local0", "peer"),
+    ("save", "ByteCheckpoint save", "bcp_save", "seconds", "local", "peer"),
     ("save_async blocked", "memcpy (staging bound)", "memcpy", "seconds", "local", "limit"),
     ("save_async blocked", "layoutckpt save_async", "lc_async", "blocked", "local", "lc"),
     ("save_async blocked", "DCP async_save", "dcp_async", "blocked", "local", "peer"),
@@ -133,6 +152,16 @@ READ_ROWS = [
     ("load resharded", "raw read", "raw_read", "local", "limit"),
     ("load resharded", "layoutckpt load", "lc_reshard", "reshard", "lc"),
     ("load resharded", "DCP load", "dcp_reshard", "reshard", "peer"),
+    ("load in place", "memcpy", "memcpy_load", "local", "limit"),
+    ("load in place", "raw read into a buffer", "raw_read_into", "local", "limit"),
+    ("load in place", "layoutckpt load(inplace=True)", "lc_load_inplace", "local", "lc"),
+    ("load in place", "DCP load", "dcp_load_inplace", "local", "peer"),
+    ("load in place", "ByteCheckpoint load", "bcp_load", "local", "peer"),
+    ("load resharded in place", "memcpy", "memcpy_load", "local", "limit"),
+    ("load resharded in place", "raw read into a buffer", "raw_read_into", "local", "limit"),
+    ("load resharded in place", "layoutckpt load(inplace=True)", "lc_reshard_inplace", "reshard", "lc"),
+    ("load resharded in place", "DCP load", "dcp_reshard_inplace", "reshard", "peer"),
+    ("load resharded in place", "ByteCheckpoint load", "bcp_reshard", "reshard", "peer"),
     ("read 1 tensor (rank 0)", "raw read", "raw_read_tensor", "tensor", "limit"),
     ("read 1 tensor (rank 0)", "layoutckpt open().read", "lc_read_tensor", "tensor", "lc"),
     ("read 1 tensor (rank 0)", "torch.load whole ckpt", "torch_load_whole", "tensor", "peer"),
@@ -231,7 +260,7 @@ class _Rank:
         self.memcpy_dsts: list[Any] | None = None  # the memcpy's destinations, kept like a staging pool
         self.paths = {
             name: os.path.join(self.work, name)
-            for name in ("raw", "raw_streams", "lc", "lc_async", "torch", "dcp", "dcp_async", "st", "orbax")
+            for name in ("raw", "raw_streams", "lc", "lc_async", "torch", "dcp", "dcp_async", "st", "orbax", "bcp")
         }
         self.need = {
             "local": self.nbytes["local"],
@@ -239,6 +268,8 @@ class _Rank:
             "reshard": self.local_bytes(SWAPPED_RULES),
         }
         self.digests: dict[str, dict[str, Any]] = {"state": digest(self.flat)}
+        self.written: dict[str, int] = {}  # bytes this rank wrote in the last save, per system
+        self.inplace: dict[str, dict[str, Any]] = {}  # the in-place loads' destinations, per layout
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -412,7 +443,44 @@ class _Rank:
 
     def lc_save(self) -> dict[str, Any]:
         res = self.lc.save(self.paths["lc"], self.state, self.layout)
-        return {"_timings": _phases(res)}
+        return {"_timings": {**_phases(res), "bytes_written": res.metrics.bytes}}
+
+    def bcp_save(self) -> None:
+        """ByteCheckpoint's save of the DTensor state (``FSDP2Checkpointer``'s model path, called
+        below its public ``save``, which refuses torch > 2.5 by version number alone)."""
+        from bytecheckpoint.checkpointer.fsdp2_checkpointer import FSDP2Checkpointer
+        from bytecheckpoint.planner.fsdp.fsdp_planner import FSDPSavePlanner
+        from bytecheckpoint.storage import CKPTCounter
+
+        path = self.paths["bcp"]
+        FSDP2Checkpointer._save_model(
+            model_path=path,
+            model_state=self.dcp_state,
+            framework_name="fsdp2",
+            role=None,
+            save_planner=FSDPSavePlanner(),
+            ckpt_path=path,
+            save_ckpt_start_time=time.time(),
+            ckpt_counter=CKPTCounter(1, False),
+            global_steps=None,
+            fast_saving=False,
+            callback=None,
+        )
+
+    def bcp_into(self, layout: str) -> None:
+        """ByteCheckpoint's load into the DTensors of ``self.inplace[layout]`` (it always loads in place)."""
+        from bytecheckpoint.checkpointer.fsdp2_checkpointer import FSDP2Checkpointer
+        from bytecheckpoint.planner.fsdp.fsdp_planner import FSDPLoadPlanner
+
+        FSDP2Checkpointer._load_model(
+            model_path=self.paths["bcp"],
+            model_state=self.inplace[layout]["dtensors"],
+            framework_name="fsdp2",
+            role=None,
+            load_planner=FSDPLoadPlanner(strict=True),
+            fast_loading=True,
+        )
+        return self.inplace[layout]["dtensors"]
 
     def lc_async(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -489,6 +557,48 @@ class _Rank:
 
     def lc_load(self) -> Any:
         return self.lc.load(self.paths["lc"], self.layout)
+
+    def make_inplace(self) -> None:
+        """The in-place loads' destinations, made and touched once, before the reads: for each
+        layout one set of local tensors, seen by layoutckpt as its nested state and by DCP and
+        ByteCheckpoint as DTensors over the same memory; and the memcpy's source and target."""
+        torch = self.torch
+        for key, rules in (("same", RULES), ("swapped", SWAPPED_RULES)):
+            flat = {
+                name: torch.zeros(local_shape(shape, spec_of(name, rules), self.world, self.rank), dtype=dtype)
+                for name, (shape, dtype) in self.leaves.items()
+            }
+            dtensors = {name: self.dtensor(t, name, rules, self.cpu_mesh) for name, t in flat.items()}
+            self.inplace[key] = {"flat": flat, "nested": nest(flat), "dtensors": dtensors}
+        self.memcpy_pair = (
+            [torch.ones(t.shape, dtype=t.dtype) for t in self.inplace["same"]["flat"].values()],
+            [torch.zeros(t.shape, dtype=t.dtype) for t in self.inplace["same"]["flat"].values()],
+        )
+        self.raw_buffer = torch.zeros(self.nbytes["local"], dtype=torch.uint8)
+
+    def memcpy_load(self) -> None:
+        for d, t in zip(*reversed(self.memcpy_pair)):
+            d.copy_(t)
+
+    def raw_read_into(self) -> Any:
+        """The raw file read into a buffer made once: the page cache's own copy, the least any
+        reader through ``read`` calls pays."""
+        view = memoryview(self.raw_buffer.numpy())
+        piece = 64 << 20
+        with open(os.path.join(self.paths["raw"], f"rank{self.rank}.bin"), "rb", buffering=0) as f:
+            for a in range(0, len(view), piece):
+                f.readinto(view[a : a + piece])
+        return self.raw_buffer
+
+    def lc_into(self, key: str) -> Any:
+        layout = self.layout if key == "same" else self.swapped
+        return self.lc.load(self.paths["lc"], layout, like=self.inplace[key]["nested"], inplace=True)
+
+    def dcp_into(self, key: str) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self.inplace[key]["dtensors"], checkpoint_id=self.paths["dcp"], process_group=self.dcp_group)
+        return self.inplace[key]["dtensors"]
 
     def lc_reshard(self) -> Any:
         return self.lc.load(self.paths["lc"], self.swapped)
@@ -571,6 +681,7 @@ class _Rank:
             "dcp_async": (self.dcp_async, "dcp_async"),
             "st_save": (self.st_save, "st"),
             "orbax_save": (self.orbax_save, "orbax"),
+            "bcp_save": (self.bcp_save, "bcp"),
         }
 
     def read_ops(self) -> dict[str, Callable[[], Any]]:
@@ -587,6 +698,14 @@ class _Rank:
             "orbax_load": self.orbax_load,
             "lc_reshard": self.lc_reshard,
             "dcp_reshard": lambda: self.dcp_load(SWAPPED_RULES),
+            "memcpy_load": self.memcpy_load,
+            "raw_read_into": self.raw_read_into,
+            "lc_load_inplace": lambda: self.lc_into("same"),
+            "dcp_load_inplace": lambda: self.dcp_into("same"),
+            "bcp_load": lambda: self.bcp_into("same"),
+            "lc_reshard_inplace": lambda: self.lc_into("swapped"),
+            "dcp_reshard_inplace": lambda: self.dcp_into("swapped"),
+            "bcp_reshard": lambda: self.bcp_into("swapped"),
             "raw_read_tensor": lambda: self.raw_read(tensor_bytes),
             "lc_read_tensor": self.lc_read,
             "torch_load_whole": lambda: self.torch_whole(mmap=False),
@@ -633,9 +752,10 @@ class _Rank:
         self.purge()
         files_written = {
             name: len(files_under(self.paths[name]))
-            for name in ("lc", "torch", "dcp", "st", "orbax", "raw", "raw_streams")
+            for name in ("lc", "torch", "dcp", "st", "orbax", "raw", "raw_streams", "bcp")
             if self.rank == 0
         }
+        balance = self.write_balance(per)
 
         # The reads: the state, the staging pool and every other big buffer are dropped first,
         # so that peak RSS counts what the load itself holds.
@@ -648,12 +768,14 @@ class _Rank:
         except ImportError:
             pass
         release_memory(full=True)
+        if any(k in chosen for k in READS if "inplace" in k or k.startswith(("bcp_", "memcpy_", "raw_read_into"))):
+            self.make_inplace()
         reads = self.read_ops()
         for rep in range(repeats):
             for key in (k for k in READS if k in chosen):
                 rank0 = MEASUREMENTS[key].get("rank0", False)
                 for cache in ("cold", "warm"):
-                    if cache == "cold":
+                    if cache == "cold" and MEASUREMENTS[key]["files"]:
                         self.evict(MEASUREMENTS[key]["files"])
                     out: dict[str, Any] = {}
 
@@ -671,16 +793,24 @@ class _Rank:
             "bytes": self.nbytes,
             "digest_checks": self.compare_digests(),
             "files_written": files_written,
+            "write_balance": balance,
             "loadavg": [load0, os.getloadavg()],
             "device": str(self.device),
         }
 
     def check(self, key: str, value: Any) -> None:
-        """Keep a digest of the first cold load of each kind, to compare after the run."""
-        if key in ("lc_load", "lc_reshard"):
+        """Keep a digest of the first cold load of each kind, to compare after the run. The
+        in-place loads share their destinations (per layout): each is zeroed after its digest,
+        so that the next system's load is checked on its own bytes."""
+        if key in ("lc_load", "lc_reshard", "lc_load_inplace", "lc_reshard_inplace"):
             self.digests[key] = digest(flatten(value))
         elif key in ("torch_load", "dcp_load", "dcp_reshard", "st_load"):
             self.digests[key] = digest(value)
+        elif key in ("dcp_load_inplace", "dcp_reshard_inplace", "bcp_load", "bcp_reshard"):
+            self.digests[key] = digest(value)
+        if key.endswith("_inplace") or key in ("bcp_load", "bcp_reshard"):
+            for t in self.inplace["same" if "load" in key else "swapped"]["flat"].values():
+                t.zero_()
         elif key == "orbax_load":
             import numpy as np
 
@@ -691,10 +821,76 @@ class _Rank:
     def compare_digests(self) -> dict[str, bool]:
         """Same-layout loads must give back the state; both resharded loads must agree."""
         d = self.digests
-        out = {k: d[k] == d["state"] for k in ("lc_load", "torch_load", "dcp_load", "st_load", "orbax_load") if k in d}
-        if "lc_reshard" in d and "dcp_reshard" in d:
-            out["lc_reshard == dcp_reshard"] = d["lc_reshard"] == d["dcp_reshard"]
+        same = ("lc_load", "torch_load", "dcp_load", "st_load", "orbax_load", "lc_load_inplace", "dcp_load_inplace")
+        out = {k: d[k] == d["state"] for k in (*same, "bcp_load") if k in d}
+        for k in ("lc_reshard", "lc_reshard_inplace", "dcp_reshard_inplace", "bcp_reshard"):
+            if k in d and "dcp_reshard" in d:
+                out[f"{k} == dcp_reshard"] = d[k] == d["dcp_reshard"]
         return out
+
+    def write_balance(self, per: dict[str, list[Any]]) -> dict[str, Any]:
+        """Who wrote the bytes: this rank's bytes in the last save of the state, per system
+        (layoutckpt's own count; DCP's and ByteCheckpoint's rank files), and the same for one
+        replicated tensor of ``REPLICATED_BYTES`` saved from every rank, with the data files
+        each save made (rank 0 counts them; metadata documents left out)."""
+        out: dict[str, Any] = {}
+        if per.get("lc_save"):
+            out["lc"] = per["lc_save"][-1].get("bytes_written")
+        for system in ("dcp", "bcp"):
+            if per.get(f"{system}_save"):
+                out[system] = _rank_file_bytes(self.paths[system], self.rank)
+        out["files"] = {s: _data_files(self.paths[s], s) for s in ("lc", "dcp", "bcp") if per.get(f"{s}_save")}
+        # one replicated tensor, saved once per system (untimed)
+        torch, lc = self.torch, self.lc
+        tensor = torch.ones(REPLICATED_BYTES // 4, dtype=torch.float32)
+        replicated: dict[str, Any] = {}
+        path = os.path.join(self.work, "replicated-lc")
+        self.clean(path)
+        res = lc.save(path, {"w": tensor}, lc.Layout(self.mesh, [(r".*", lc.P())]))
+        replicated["lc"] = res.metrics.bytes
+        self.barrier()
+        replicated["files"] = {"lc": _data_files(path, "lc") if self.rank == 0 else None}
+        if per.get("dcp_save"):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.tensor import Replicate
+
+            path = os.path.join(self.work, "replicated-dcp")
+            self.clean(path)
+            state = {"w": self.dtensor_of(tensor, [Replicate()])}
+            dcp.save(state, checkpoint_id=path, process_group=self.dcp_group)
+            self.barrier()
+            replicated["dcp"] = _rank_file_bytes(path, self.rank)
+            replicated["files"]["dcp"] = _data_files(path, "dcp") if self.rank == 0 else None
+        out["replicated"] = replicated
+        self.barrier()
+        if self.rank == 0:
+            for name in ("replicated-lc", "replicated-dcp"):
+                shutil.rmtree(os.path.join(self.work, name), ignore_errors=True)
+        self.barrier()
+        return out
+
+    def dtensor_of(self, local: Any, placements: list[Any]) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.dmesh, placements, run_check=False)
+
+
+def _rank_file_bytes(path: str, rank: int) -> int:
+    """Bytes of the rank files a DCP-style checkpoint holds for ``rank`` (``__<rank>_<i>.distcp``)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0
+    return sum(os.path.getsize(os.path.join(path, n)) for n in names if n.startswith(f"__{rank}_"))
+
+
+def _data_files(path: str, system: str) -> int:
+    """Data files a checkpoint holds: layoutckpt's shard files (every file but its ``.json``
+    documents), DCP's and ByteCheckpoint's ``.distcp`` rank files."""
+    files = files_under(path)
+    if system == "lc":
+        return sum(1 for f in files if not f.endswith(".json"))
+    return sum(1 for f in files if f.endswith(".distcp"))
 
 
 def _write_all(f: Any, view: memoryview) -> None:
@@ -800,6 +996,52 @@ def summarize(per_rank: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str,
     return {"rows": rows, "targets": targets(rows), "save_context": save_context(rows), "logical_bytes": logical}
 
 
+def write_balance(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes written per rank, max over mean, and data files, per system: for the state's save
+    and for one replicated tensor saved from every rank."""
+    out: dict[str, Any] = {}
+    balances = [r.get("write_balance") or {} for r in per_rank]
+    if not balances or not balances[0]:
+        return out
+
+    def ratio(values: list[Any]) -> dict[str, Any] | None:
+        if not values or any(v is None for v in values) or not sum(values):
+            return None
+        mean = sum(values) / len(values)
+        return {"max": max(values), "mean": mean, "max_over_mean": max(values) / mean, "per_rank": values}
+
+    for system in ("lc", "dcp", "bcp"):
+        if system in balances[0]:
+            out[system] = ratio([b.get(system) for b in balances])
+            if out[system] is not None:
+                out[system]["files"] = balances[0]["files"].get(system)
+    rep = [b.get("replicated") or {} for b in balances]
+    out["replicated"] = {}
+    for system in ("lc", "dcp"):
+        if system in rep[0]:
+            r = ratio([x.get(system) for x in rep])
+            if r is not None:
+                r["files"] = rep[0]["files"].get(system)
+            out["replicated"][system] = r
+    return out
+
+
+def balance_targets(balance: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    """The write-balance target of issue 26 (one replicated 128 MiB tensor on more than one rank:
+    bytes written per rank max/mean <= 1.5), with DCP's figure beside it."""
+    lc = (balance.get("replicated") or {}).get("lc")
+    dcp = (balance.get("replicated") or {}).get("dcp")
+    name = "bytes written per rank, max/mean, one replicated 128 MiB tensor"
+    if dcp:
+        name += f" (DCP {dcp['max_over_mean']:.2f})"
+    if lc is None:
+        return [dict(name=name, value=None, bound=1.5, higher=False, unit="x", verdict="n/a")]
+    ok = lc["max_over_mean"] <= 1.5
+    return [
+        dict(name=name, value=lc["max_over_mean"], bound=1.5, higher=False, unit="x", verdict="PASS" if ok else "MISS")
+    ]
+
+
 def save_context(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Save throughputs over the one-stream raw write, to read the two save targets by: what
     1.5x DCP asks of the disk, and how close layoutckpt comes to the disk's parallel peak."""
@@ -868,6 +1110,26 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     part = _row(rows, "read 1 tensor (rank 0)", "layoutckpt open().read", "cold")
     whole = _row(rows, "read 1 tensor (rank 0)", "torch.load whole ckpt", "cold")
     add("torch.load whole ckpt time / partial read of 1 tensor time (cold)", time_ratio(whole, part), 20, True, "x")
+    # Warm loads (issue 26): in place against DCP and ByteCheckpoint in place and a memcpy of the
+    # same bytes; into fresh tensors against DCP's load into fresh tensors.
+    for label, op, lc_name in (
+        ("in-place load", "load in place", "layoutckpt load(inplace=True)"),
+        ("in-place resharded load", "load resharded in place", "layoutckpt load(inplace=True)"),
+    ):
+        mine = _row(rows, op, lc_name, "warm")
+        for peer, bound in (("DCP load", 2.0), ("ByteCheckpoint load", 2.0), ("memcpy", 0.5)):
+            other = _row(rows, op, peer, "warm")
+            if other is None and peer.startswith("ByteCheckpoint"):
+                continue  # not installed: no row, no target
+            add(f"warm {label} GB/s / {peer} GB/s", speed(mine, other), bound, True, "x")
+    for label, op in (("load", "load"), ("resharded load", "load resharded")):
+        add(
+            f"warm {label} into fresh tensors GB/s / DCP GB/s",
+            speed(_row(rows, op, "layoutckpt load", "warm"), _row(rows, op, "DCP load", "warm")),
+            2.0,
+            True,
+            "x",
+        )
     for label, op in (("load", "load"), ("resharded load", "load resharded")):
         r = _row(rows, op, "layoutckpt load", "cold")
         if r is None:
@@ -934,6 +1196,18 @@ def print_table(world: int, summary: dict[str, Any], info: dict[str, Any]) -> No
         f"checks (crc32 of every loaded tensor): {'all equal' if not bad else 'MISMATCH ' + str(bad)} {sorted(checks)}"
     )
     print(f"files written: {info['files_written']}")
+    for label, part in (
+        ("the state", summary.get("write_balance") or {}),
+        ("one replicated 128 MiB tensor", (summary.get("write_balance") or {}).get("replicated") or {}),
+    ):
+        cells = [
+            f"{name} max/mean {b['max_over_mean']:.2f} (max {b['max'] / GB:.3f} GB, mean {b['mean'] / GB:.3f} GB), "
+            f"{b['files']} data files"
+            for name, b in part.items()
+            if isinstance(b, dict) and "max_over_mean" in b
+        ]
+        if cells:
+            print(f"bytes written per rank, {label}: " + "; ".join(cells))
     print(f"\ntargets for {world} rank(s) (reported, never asserted):")
     width = max(len(t["name"]) for t in summary["targets"])
     for t in summary["targets"]:
@@ -1080,6 +1354,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not orbax_ok:
         measurements = [m for m in measurements if MEASUREMENTS[m]["system"] != "orbax"]
     orbax = "installed (measured on rank 0 alone, like safetensors)" if orbax_ok else "not installed"
+    bcp = bytecheckpoint_status()
+    if bcp != "installed":
+        measurements = [m for m in measurements if MEASUREMENTS[m]["system"] != "bcp"]
     results: dict[str, Any] = {
         "command": sys.argv if argv is None else ["bench.py", *argv],
         **provenance(),
@@ -1087,6 +1364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine,
         "orbax": orbax,
         "safetensors": "installed" if safetensors_ok else "not installed",
+        "bytecheckpoint": bcp,
         "worlds": {},
     }
     # Outputs moved aside stay on disk until a world size's writes are done: every write of
@@ -1126,6 +1404,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 per_rank = json.load(f)
             free_output(workdir, delete=args.delete_between)  # see _Rank.purge
             summary = summarize(per_rank, opts)
+            summary["write_balance"] = write_balance(per_rank)
+            summary["targets"] += balance_targets(summary["write_balance"], world)
             info = {
                 "dims": dims,
                 "digest_checks": {
@@ -1153,6 +1433,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plot(args.plot, results)
         print(f"plot: {os.path.abspath(args.plot)}")
     return results
+
+
+def bytecheckpoint_status() -> str:
+    """ "installed" where ByteCheckpoint (pip ``bytecheckpoint``, installed with ``--no-deps``: it
+    pins torch <= 2.5) imports with the parts the bench calls; otherwise why its rows are left out."""
+    if importlib.util.find_spec("bytecheckpoint") is None:
+        return "not installed (pip install --no-deps bytecheckpoint, then grpcio, mmh3, universal-pathlib, cachetools)"
+    os.environ.setdefault("BYTECHECKPOINT_LOGGING_LEVEL", "WARNING")  # its INFO lines, per call, inherited by the ranks
+    try:
+        from bytecheckpoint.checkpointer.fsdp2_checkpointer import FSDP2Checkpointer  # noqa: F401
+        from bytecheckpoint.planner.fsdp.fsdp_planner import FSDPLoadPlanner, FSDPSavePlanner  # noqa: F401
+        from bytecheckpoint.storage import CKPTCounter  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any failure to import leaves its rows out, with a note
+        return f"fails to import ({type(err).__name__}: {err}); its rows are left out"
+    return "installed"
 
 
 def print_notes(results: dict[str, Any], root: str) -> None:
@@ -1199,7 +1494,11 @@ def print_notes(results: dict[str, Any], root: str) -> None:
     )
     for w, res in results["worlds"].items():
         # every cold row of at least 1 MiB should fetch what it needs from storage, not the cache
-        cold = [r for r in res["rows"] if r["cache"] == "cold" and r["bytes_needed"] >= 1 << 20]
+        cold = [
+            r
+            for r in res["rows"]
+            if r["cache"] == "cold" and r["bytes_needed"] >= 1 << 20 and MEASUREMENTS[r["meas"].split(".")[0]]["files"]
+        ]
         if cold:
             low = min(cold, key=lambda r: r["storage_read_bytes"] / r["bytes_needed"])
             frac = low["storage_read_bytes"] / low["bytes_needed"]
@@ -1209,7 +1508,8 @@ def print_notes(results: dict[str, Any], root: str) -> None:
                 f"on {res['device']}"
             )
     print(
-        f"safetensors: {results['safetensors']}; Orbax: {results['orbax']}; total wall time {results['wall_s']:.0f} s"
+        f"safetensors: {results['safetensors']}; Orbax: {results['orbax']}; ByteCheckpoint: "
+        f"{results['bytecheckpoint']}; total wall time {results['wall_s']:.0f} s"
     )
 
 

@@ -133,6 +133,7 @@ def render(results: dict[str, Any]) -> str:
             label = f"{key} {'>=' if found[0]['higher'] else '<='} {found[0]['bound']:g}"
         row = [_cell(cells[key][w], same) if w in cells[key] else "-" for w in worlds]
         lines.append(f"| {_escape(label)} | " + " | ".join(_escape(c) for c in row) + " |")
+    lines += _balance_rows(results, worlds)
     contexts = [results["worlds"][w].get("save_context") or {} for w in worlds]
     names = [n for n in contexts[0] if all(n in c for c in contexts)] if contexts else []
     if names:
@@ -140,6 +141,35 @@ def render(results: dict[str, Any]) -> str:
         label = "save GB/s over the one-stream raw write: " + " / ".join(names)
         lines.append(f"| {_escape(label)} | " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+_SYSTEMS = {"lc": "layoutckpt", "dcp": "DCP", "bcp": "ByteCheckpoint"}
+
+
+def _balance_rows(results: dict[str, Any], worlds: list[str]) -> list[str]:
+    """Rows of who wrote the bytes (``bench.py``'s ``write_balance``), where the run recorded it:
+    bytes written per rank max/mean and data files, per system, for the state's save and for one
+    replicated 128 MiB tensor."""
+    balances = [results["worlds"][w].get("write_balance") or {} for w in worlds]
+    lines = []
+    for label, part in (
+        ("the state", lambda b: b),
+        ("one replicated 128 MiB tensor", lambda b: b.get("replicated") or {}),
+    ):
+        systems = [s for s in _SYSTEMS if any(isinstance(part(b).get(s), dict) for b in balances)]
+        if not systems:
+            continue
+        for what, cell in (
+            ("bytes written per rank, max/mean", lambda r: f"{r['max_over_mean']:.2f}"),
+            ("data files written", lambda r: f"{r['files']}"),
+        ):
+            row = [
+                " / ".join(cell(part(b)[s]) if isinstance(part(b).get(s), dict) else "-" for s in systems)
+                for b in balances
+            ]
+            names = " / ".join(_SYSTEMS[s] for s in systems)
+            lines.append(f"| {_escape(f'{what}, {label}: {names}')} | " + " | ".join(row) + " |")
+    return lines
 
 
 def update(text: str, table: str) -> str:

@@ -73,7 +73,9 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
     to its template leaf's device. With ``strict`` (default) stored arrays the template lacks
     are an error, not a silent drop. A ``DTensor`` in the template is loaded as a DTensor with
     its mesh and placements (no rule needed; its tensors may be on ``meta``). With
-    ``inplace=True`` the data is copied into the template's tensors, which are returned.
+    ``inplace=True`` the data goes into the template's tensors, which are returned: CPU tensors of
+    the stored dtype are read into directly (a load that fails on damage has then overwritten
+    part of them), others are copied into once read.
     ``select`` loads only some leaves, the rest left out of the result: a regex
     (``re.search``-ed in each global name), a callable ``name -> bool``, or an iterable of
     names (a name the checkpoint lacks raises ``KeyError``). ``group`` is the
@@ -149,11 +151,27 @@ class _LoadPlan:
     def requests(self, meta: CheckpointMeta) -> list[BoxRead]:
         boxes = list(self.targets.values()) + [key for _, _, parts in self.flats.values() for key, *_ in parts]
         boxes += [key for c in self.composites.values() for key, _ in c.parts]
+        direct = self.destinations(meta)
         return [
-            BoxRead(stored, meta.arrays[stored], box, key=(stored, box))
+            BoxRead(stored, meta.arrays[stored], box, out=direct.get((stored, box)), key=(stored, box))
             for stored, box in dict.fromkeys(boxes)
             if _plan.box_size(box) > 0
         ]
+
+    def destinations(self, meta: CheckpointMeta) -> dict[Target, np.ndarray]:
+        """With ``inplace``, each box read straight into its template tensor's own memory (the
+        first template leaf of a box, where that is a CPU array of the stored dtype): no buffer
+        of its own, no copy after the read, no page faults on fresh memory
+        (docs/design/inplace-direct-reads.md). Other leaves are copied in once read."""
+        if not self.options.inplace:
+            return {}
+        out: dict[Target, np.ndarray] = {}
+        for name, key in self.targets.items():
+            if key not in out:
+                view = _own_memory(self.template.get(name), meta.arrays[key[0]].dtype)
+                if view is not None:
+                    out[key] = view
+        return out
 
 
 def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options: LoadOptions, comm: Any) -> _LoadPlan:
@@ -450,13 +468,53 @@ def _as_tensor(data: np.ndarray, dtype: str) -> Any:
 
 
 def _fill(target: Any, data: Any) -> Any:
-    """Copy ``data`` into the template leaf ``target`` (its local shard for a DTensor); return it."""
+    """Copy ``data`` into the template leaf ``target`` (its local shard for a DTensor); return it.
+    Data read straight into the leaf's own memory (``_LoadPlan.destinations``) is not copied."""
     local = target.to_local() if is_dtensor(target) else target
+    if _same_memory(local, data):
+        return target
     if isinstance(local, np.ndarray):
         local[...] = data
     else:
         local.copy_(data)
     return target
+
+
+def _own_memory(target: Any, dtype: str) -> np.ndarray | None:
+    """A NumPy view of the template leaf ``target``'s own memory (its local shard for a DTensor)
+    that a read may fill directly, or None: a tensor off the CPU, of another dtype, not
+    contiguous, or read-only."""
+    if target is None:
+        return None
+    local = target.to_local() if is_dtensor(target) else target
+    if isinstance(local, np.ndarray):
+        ok = local.dtype == numpy_dtype(dtype) and local.flags.c_contiguous and local.flags.writeable
+        return local if ok else None
+    if not is_tensor(local) or local.device.type != "cpu" or not local.is_contiguous() or local.is_sparse:
+        return None
+    from .torch._tensors import to_numpy, zarr_name_of
+
+    if zarr_name_of(local.dtype) != dtype or local.is_conj() or local.is_neg():
+        return None
+    view = to_numpy(local)
+    return view if view.flags.writeable else None
+
+
+def _same_memory(local: Any, data: Any) -> bool:
+    """Whether ``data`` is ``local``'s own memory (same address, shape and dtype size)."""
+    if isinstance(local, np.ndarray):
+        address, size = local.ctypes.data, local.nbytes
+    elif is_tensor(local) and local.device.type == "cpu":
+        address, size = local.data_ptr(), local.numel() * local.element_size()
+    else:
+        return False
+    if isinstance(data, np.ndarray):
+        other, other_size = data.ctypes.data, data.nbytes
+    elif is_tensor(data) and data.device.type == "cpu":
+        other, other_size = data.data_ptr(), data.numel() * data.element_size()
+    else:
+        return False
+    return size > 0 and address == other and size == other_size and tuple(local.shape) == tuple(data.shape)
 
 
 def _plan_flat(

@@ -100,6 +100,9 @@ class _BoxFill:
         self.table_bytes = 16 * math.prod(grid) + 4
         self.buffer = np.empty(0, np.uint8)
         self.decoded = np.empty(0, np.uint8)  # an inner chunk's decoded bytes, reused
+        # Uncompressed chunks of a run that lie side by side along the last dimension, whole
+        # inside the box, are placed with one strided copy (``place_block``).
+        self.blocks = self.codec is None and len(self.inner) > 0 and out.dtype.itemsize > 0
 
     def shard(self, root: Path, key: str, cell: Sequence[int], prefetch: bool) -> int:
         """Read this box's part of one shard file; return the bytes read."""
@@ -176,7 +179,7 @@ class _BoxFill:
         sizes = [sum(c[3] for c in run) for run in runs]
         if len(self.buffer) < max(sizes):
             # Room for a whole run, but not a full run's bytes for a small array's one tiny chunk.
-            self.buffer = np.empty(max(max(sizes), min(self.io.read_run_bytes, 16 * (self.chunk_bytes + 4))), np.uint8)
+            self.buffer = _scratch(max(max(sizes), min(self.io.read_run_bytes, 16 * (self.chunk_bytes + 4))))
         first = 0
         if prefetch and len(runs) > 1:
             if not _os.read_if_cached(fd, self.buffer[: sizes[0]], runs[0][0][2]):
@@ -194,6 +197,9 @@ class _BoxFill:
 
     def check(self, key: str, origin: Sequence[int], run: list[Chunk], data: np.ndarray) -> None:
         """Check each chunk of ``run``, read into ``data``, and copy it out."""
+        if self.blocks and len(run) > 1 and all(c[3] == self.chunk_bytes + 4 for c in run):
+            self.check_blocks(key, origin, run, data)
+            return
         pos = 0
         for _, at, _, nbytes in run:
             view = data[pos : pos + nbytes]
@@ -226,6 +232,65 @@ class _BoxFill:
             raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} fails to decode ({err})") from None
         return self.decoded
 
+    def check_blocks(self, key: str, origin: Sequence[int], run: list[Chunk], data: np.ndarray) -> None:
+        """``check`` of a run of uncompressed, whole-sized chunks: every checksum first, then each
+        block of chunks that lie side by side along the last dimension, whole inside the box,
+        placed with one strided copy; the others one by one. One NumPy call per block instead of
+        one per chunk: a warm load is bound by these calls, not by the bytes they copy."""
+        stride = self.chunk_bytes + 4
+        for k, (_, at, _, _) in enumerate(run):
+            end = k * stride + self.chunk_bytes
+            if crc32c.crc32c(data[k * stride : end]) != int.from_bytes(data[end : end + 4], "little"):
+                raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} fails its crc32c")
+        k = 0
+        while k < len(run):
+            at = run[k][1]
+            n = 1
+            if self.whole(origin, at):
+                while (
+                    k + n < len(run)
+                    and run[k + n][1][:-1] == at[:-1]
+                    and run[k + n][1][-1] == at[-1] + n
+                    and self.whole(origin, run[k + n][1])
+                ):
+                    n += 1
+            if n == 1:
+                chunk = data[k * stride : k * stride + self.chunk_bytes].view(self.out.dtype)
+                self.place(origin, at, chunk)
+            else:
+                self.place_block(origin, at, n, data[k * stride :])
+            k += n
+
+    def whole(self, origin: Sequence[int], at: Sequence[int]) -> bool:
+        """Whether inner chunk ``at`` lies whole inside the box (and the array)."""
+        for (a, b), o, i, c, n in zip(self.box, origin, at, self.inner, self.meta.shape):
+            start = o + i * c
+            if start < a or start + c > min(b, n):
+                return False
+        return True
+
+    def place_block(self, origin: Sequence[int], at: Sequence[int], n: int, data: np.ndarray) -> None:
+        """Copy ``n`` whole chunks, ``at`` and the next ones along the last dimension, stored one
+        after the other in ``data`` (each followed by its 4-byte checksum), into the box."""
+        item = self.out.dtype.itemsize
+        strides = [item * math.prod(self.inner[d + 1 :]) for d in range(len(self.inner))]
+        # (n, *inner) over the chunks' payloads, skipping each checksum (unaligned where the
+        # checksums shift the items: NumPy copies those too)
+        src = np.ndarray((n, *self.inner), self.out.dtype, data, 0, (self.chunk_bytes + 4, *strides))
+        dst = []
+        for (a, _), o, i, c in zip(self.box, origin, at, self.inner):
+            start = o + i * c - a
+            dst.append(slice(start, start + c))
+        dst[-1] = slice(dst[-1].start, dst[-1].start + n * self.inner[-1])
+        target = self.out[tuple(dst)]
+        # the destination's last dimension cut into the n chunks, (*inner[:-1], n, inner[-1]),
+        # always a view of the destination
+        last = target.strides[-1]
+        target = np.lib.stride_tricks.as_strided(
+            target, (*self.inner[:-1], n, self.inner[-1]), (*target.strides[:-1], self.inner[-1] * last, last)
+        )
+        target[...] = np.moveaxis(src, 0, -2)
+
     def place(self, origin: Sequence[int], at: Sequence[int], chunk: np.ndarray | None) -> None:
         """Copy the part of inner chunk ``at`` (of the shard at ``origin``) inside the box to the
         destination; ``None`` places the fill value (zero)."""
@@ -236,6 +301,23 @@ class _BoxFill:
             dst.append(slice(lo - a, hi - a))
             src.append(slice(lo - start, hi - start))
         self.out[tuple(dst)] = 0 if chunk is None else chunk.reshape(self.inner)[tuple(src)]
+
+
+_scratch_local = threading.local()
+# A reader thread keeps its run buffer from one ``read_box`` to the next up to this size: a
+# buffer made afresh for every box pays page faults on every run it reads into.
+_SCRATCH_KEEP = 8 << 20
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A byte buffer of at least ``nbytes``, this thread's own, reused across calls."""
+    buf = getattr(_scratch_local, "buffer", None)
+    if buf is not None and len(buf) >= nbytes:
+        return buf
+    buf = np.empty(nbytes, np.uint8)
+    if nbytes <= _SCRATCH_KEEP:
+        _scratch_local.buffer = buf
+    return buf
 
 
 def _index_problem(offsets: np.ndarray, lengths: np.ndarray, end: int) -> str | None:
