@@ -78,24 +78,35 @@ def open_array(
     return ts.open(array_spec(root, meta, all_chunks_stored=all_chunks_stored), context=ctx)
 
 
+# TensorStore's status codes for stored bytes that cannot be trusted: a checksum or an index
+# that fails (``DATA_LOSS``), a chunk that is gone (``NOT_FOUND``), and bytes that fail to decode
+# (``FAILED_PRECONDITION``: a zstd or blosc stream that is corrupt, cut short, or inflates past
+# its inner chunk, as a decompression bomb does; TensorStore stops decoding at the chunk's size).
+# A committed checkpoint is never rewritten, so no read of it fails a precondition otherwise.
+# Other codes (an object store that is unreachable, a permission) are no damage and pass through.
+_DAMAGE_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION")
+
+
 def read_result(future: Any, name: str, where: str) -> Any:
-    """A TensorStore read's result; damaged or missing stored bytes become an ``IntegrityError``
-    naming the array."""
+    """A TensorStore read's result; damaged, undecodable or missing stored bytes become an
+    ``IntegrityError`` naming the array (never TensorStore's bare ``ValueError``)."""
     try:
         return future.result()
     except ValueError as err:
         text = str(err)
-        if not text.startswith(("DATA_LOSS", "NOT_FOUND")):
+        code = text.partition(":")[0]
+        if code not in _DAMAGE_CODES:
             raise
-        raise damaged(name, where, missing=text.startswith("NOT_FOUND"), detail=text) from None
+        raise damaged(name, where, missing=code == "NOT_FOUND", undecodable=code != "DATA_LOSS", detail=text) from None
 
 
-def damaged(name: str, where: str, *, missing: bool, detail: str) -> IntegrityError:
-    problem = (
-        "a chunk it was saved with is missing from storage"
-        if missing
-        else "its stored bytes fail their integrity check (crc32c or shard index)"
-    )
+def damaged(name: str, where: str, *, missing: bool, detail: str, undecodable: bool = False) -> IntegrityError:
+    if missing:
+        problem = "a chunk it was saved with is missing from storage"
+    elif undecodable:
+        problem = "a stored chunk fails to decode (its bytes are corrupt, cut short, or inflate past its size)"
+    else:
+        problem = "its stored bytes fail their integrity check (crc32c or shard index)"
     return IntegrityError(
         f"array {name!r} of checkpoint {where!r} is damaged: {problem} ({detail}); the other "
         "arrays are unaffected; restore this one from another checkpoint or replica"

@@ -84,7 +84,11 @@ def array_entry(name: str) -> Callable[[Callable[[dict[str, Any]], None]], Calla
 
 def read_shard(shard: Path, chunks: int) -> list[bytes | None]:
     """The payloads (checksums stripped) of a shard's ``chunks`` inner chunks, None if absent."""
-    raw = shard.read_bytes()
+    return shard_payloads(shard.read_bytes(), chunks)
+
+
+def shard_payloads(raw: bytes, chunks: int) -> list[bytes | None]:
+    """``read_shard`` of a shard's bytes."""
     index = np.frombuffer(raw[-4 - 16 * chunks : -4], "<u8").reshape(chunks, 2)
     return [None if o == ABSENT else raw[o : o + n - 4] for o, n in index.tolist()]
 
@@ -119,3 +123,30 @@ def zstd_rle_frame(content: int, declared: int | None) -> bytes:
         left -= size
         out += ((size << 3) | (1 << 1) | (1 if left == 0 else 0)).to_bytes(3, "little") + b"\0"
     return bytes(out)
+
+
+# ------------------------------------------------------------------ memory:// (TensorStore reads)
+
+
+def in_memory(tmp: Path, *, compression: str | None = None) -> str:
+    """``plain``'s checkpoint saved to ``memory://`` (a URL unique to ``tmp``): every read of its
+    arrays goes through TensorStore rather than layoutckpt's own shard reader."""
+    url = f"memory://attacks/{tmp.name}/ckpt"
+    lc.save(
+        url,
+        {"model": {"w": weights()}},
+        lc.Layout.replicated(),
+        step=12,
+        metadata={"run": "attack"},
+        inner_chunk_bytes=INNER_CHUNK_BYTES,
+        compression=compression,
+    )
+    return url
+
+
+def edit_memory_shard(url: str, key: str, edit: Callable[[bytes], bytes]) -> None:
+    """Replace the stored object ``key`` of the ``memory://`` checkpoint ``url`` with ``edit(old)``."""
+    from layoutckpt.storage._location import locate
+
+    kv = locate(url)._kv
+    kv.write(key, edit(bytes(kv.read(key).result().value))).result()

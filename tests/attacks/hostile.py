@@ -1,8 +1,10 @@
 """The corpus: each hostile checkpoint, how it is made, and what a reader must do with it.
 
-Every entry builds its checkpoint under a fresh directory from a valid one (``craft``), names
-the verb that meets it (``open``, ``load``, ``load_rank_state`` or ``verify``) and the typed error that verb must
-raise, with a fragment of its message (for ``verify``: a fragment of a reported problem).
+Every entry builds its checkpoint under a fresh directory (or, to be read through TensorStore, a
+fresh ``memory://`` prefix) from a valid one (``craft``), names the verb that meets it (``open``,
+``load``, ``load_rank_state``, ``open_read`` for ``lc.open(p).read`` or ``verify``) and the typed
+error that verb must raise, with a fragment of its message (for ``verify``: a fragment of a
+reported problem).
 ``test_attacks.py`` runs each within a time limit and a bound on the memory it allocates.
 Entries marked ``gap`` are known to be read silently today; they run as strict expected
 failures, so the day a check catches them the suite says so.
@@ -28,8 +30,8 @@ W = "model.w"
 @attrs.frozen
 class Attack:
     name: str
-    make: Callable[[Path], Path]
-    verb: str  # "open", "load", "load_rank_state" or "verify"
+    make: Callable[[Path], Path | str]  # the checkpoint: a folder, or a memory:// URL
+    verb: str  # "open", "load", "load_rank_state", "open_read" or "verify"
     error: type[BaseException] | None  # None for verify: it reports instead of raising
     match: str
     gap: str = ""  # why the attack is not caught yet, where it is not
@@ -39,7 +41,7 @@ CORPUS: list[Attack] = []
 
 
 def attack(verb: str, error: type[BaseException] | None, match: str, gap: str = "") -> Callable:
-    def register(make: Callable[[Path], Path]) -> Callable[[Path], Path]:
+    def register(make: Callable[[Path], Path | str]) -> Callable[[Path], Path | str]:
         CORPUS.append(Attack(make.__name__, make, verb, error, match, gap))
         return make
 
@@ -393,3 +395,102 @@ def shard_copied_from_another_checkpoint(tmp: Path) -> Path:
     path = craft.split(tmp / "ckpt")
     shutil.copyfile(other / "w/c.0.0", path / "w/c.0.0")
     return path
+
+
+# -------------------------------------- the TensorStore read path: memory:// (and object stores)
+# The same damage as above, read through TensorStore instead of the shard reader: TensorStore
+# reports bytes that fail to decode as a bare ``ValueError: FAILED_PRECONDITION``, which must
+# come out as the ``IntegrityError`` naming the array. TensorStore decodes into a buffer of the
+# inner chunk's size, so a bomb stops there (``tests/integration/test_integrity.py`` checks the
+# resident memory, which ``tracemalloc`` does not see).
+
+SHARD = "model/w/c.0.0"
+
+
+def _memory_first_chunk(tmp: Path, compression: str | None, first: Callable[[bytes], bytes]) -> str:
+    """A ``memory://`` checkpoint whose first inner chunk's payload is ``first(payload)``, checksums valid."""
+    url = craft.in_memory(tmp, compression=compression)
+
+    def edit(raw: bytes) -> bytes:
+        payloads = craft.shard_payloads(raw, 4)
+        return craft.shard_bytes([first(payloads[0]), *payloads[1:]])
+
+    craft.edit_memory_shard(url, SHARD, edit)
+    return url
+
+
+@attack("load", lc.IntegrityError, "fails to decode")
+def tensorstore_zstd_bomb_of_1_gib(tmp: Path) -> str:
+    return _memory_first_chunk(tmp, "zstd", lambda _: craft.zstd_rle_frame(1 << 30, 1 << 30))
+
+
+@attack("load", lc.IntegrityError, "fails to decode")
+def tensorstore_zstd_bomb_with_a_lying_header(tmp: Path) -> str:
+    return _memory_first_chunk(tmp, "zstd", lambda _: craft.zstd_rle_frame(1 << 30, craft.INNER_CHUNK_BYTES))
+
+
+@attack("open_read", lc.IntegrityError, "fails to decode")
+def tensorstore_zstd_frame_without_a_content_size(tmp: Path) -> str:
+    return _memory_first_chunk(tmp, "zstd", lambda _: craft.zstd_rle_frame(1 << 30, None))
+
+
+def _blosc_declares_1_gib(payload: bytes) -> bytes:
+    first = bytearray(payload)
+    first[4:8] = (1 << 30).to_bytes(4, "little")
+    return bytes(first)
+
+
+@attack("load", lc.IntegrityError, "fails to decode")
+def tensorstore_blosc_bomb_of_1_gib(tmp: Path) -> str:
+    return _memory_first_chunk(tmp, "blosc", _blosc_declares_1_gib)
+
+
+@attack("load", lc.IntegrityError, "fails to decode")
+def tensorstore_inner_chunk_cut_short(tmp: Path) -> str:
+    # Its crc32c is valid for what is left: only the decoder can tell.
+    return _memory_first_chunk(tmp, None, lambda payload: payload[:100])
+
+
+@attack("load", lc.IntegrityError, "fails to decode")
+def tensorstore_zstd_chunk_corrupted(tmp: Path) -> str:
+    # A flipped byte of compressed data: TensorStore's decoder meets it before the crc32c does.
+    url = craft.in_memory(tmp, compression="zstd")
+
+    def flip(raw: bytes) -> bytes:
+        out = bytearray(raw)
+        out[20] ^= 0xFF
+        return bytes(out)
+
+    craft.edit_memory_shard(url, SHARD, flip)
+    return url
+
+
+@attack("verify", None, "fails to decode")
+def verify_meets_a_zstd_bomb_through_tensorstore(tmp: Path) -> str:
+    return tensorstore_zstd_bomb_of_1_gib(tmp)
+
+
+@attack("verify", None, "fails to decode")
+def verify_meets_a_blosc_bomb_through_tensorstore(tmp: Path) -> str:
+    return tensorstore_blosc_bomb_of_1_gib(tmp)
+
+
+_GAP_10_TS = (
+    "overlapping shard-index entries are refused by layoutckpt's shard reader only; TensorStore "
+    "(memory://, object stores) reads rows 16-31 as rows 0-15, whose checksum is valid"
+)
+
+
+@attack("open_read", lc.IntegrityError, "overlap", gap=_GAP_10_TS)
+def tensorstore_index_entries_overlap(tmp: Path) -> str:
+    url = craft.in_memory(tmp)
+
+    def edit(raw: bytes) -> bytes:
+        payloads = craft.shard_payloads(raw, 4)
+        size = len(payloads[0]) + 4
+        index = [(i * size, size) for i in range(4)]
+        index[1] = index[0]
+        return craft.shard_bytes(payloads, index)
+
+    craft.edit_memory_shard(url, SHARD, edit)
+    return url

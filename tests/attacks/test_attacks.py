@@ -44,6 +44,9 @@ def _run(a: Attack, path) -> None:
         lc.load(path)
     elif a.verb == "load_rank_state":
         lc.load_rank_state(path)
+    elif a.verb == "open_read":
+        with lc.open(path) as rd:
+            rd.read("model.w")
     else:
         with lc.open(path) as rd:
             found = verify(rd)

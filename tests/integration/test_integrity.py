@@ -160,3 +160,78 @@ def test_damaged_chunk_saved_by_two_ranks(ranks, tmp_path, how):
     assert bits(reader.read("A", np.s_[:16])) == bits(full["A"][:16])  # the first writer's file is intact
     assert bits(reader.read("C")) == bits(full["C"])
     assert [f.name for f in chunk_files(path, "A")] == ["c.0.0", "c.1.0"]
+
+
+# --- read through TensorStore (memory://, object stores) -----------------------------------------
+
+
+def _peak_rss_reset() -> bool:
+    """Reset this process's peak resident size (VmHWM), where Linux lets it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+@pytest.mark.parametrize("how", ["zstd-bomb", "blosc-bomb", "zstd-garbled", "cut-short"])
+def test_undecodable_chunk_through_tensorstore(tmp_path, how):
+    """A memory:// checkpoint is read by TensorStore, whose decoders report bad bytes as a bare
+    ``ValueError: FAILED_PRECONDITION``: it must come out as ``IntegrityError`` naming the array,
+    from ``lc.load``, ``Reader.read`` and ``verify`` alike, the other arrays still readable, and a
+    bomb of 1 GiB must not be inflated (TensorStore stops at the inner chunk's size)."""
+    from layoutckpt._verify import verify
+    from tests.attacks import craft
+
+    compression = {"zstd-bomb": "zstd", "blosc-bomb": "blosc", "zstd-garbled": "zstd", "cut-short": None}[how]
+    url = f"memory://integrity/{tmp_path.name}/{how}"
+    full = full_state()
+    lc.save(url, full, lc.Layout.replicated(), inner_chunk_bytes=INNER_CHUNK_BYTES, compression=compression)
+    chunks = inner_chunks_per_file_url(url, "A")
+
+    def edit(raw: bytes) -> bytes:
+        payloads = craft.shard_payloads(raw, chunks)
+        first = payloads[0]
+        if how == "zstd-bomb":
+            first = craft.zstd_rle_frame(1 << 30, 1 << 30)
+        elif how == "blosc-bomb":
+            first = first[:4] + (1 << 30).to_bytes(4, "little") + first[8:]
+        elif how == "cut-short":
+            first = first[: len(first) // 3]
+        else:  # a frame that is no zstd frame, its crc32c valid
+            first = bytes([first[0] ^ 0xFF]) + first[1:]
+        return craft.shard_bytes([first, *payloads[1:]])
+
+    craft.edit_memory_shard(url, "A/c.0.0", edit)
+    measured = _peak_rss_reset()
+    before = _peak_rss()
+    with pytest.raises(lc.IntegrityError) as info:
+        lc.load(url)
+    assert_names_a(info.value)
+    assert "fails to decode" in str(info.value) and "FAILED_PRECONDITION" in str(info.value)
+    with lc.open(url) as reader:
+        with pytest.raises(lc.IntegrityError) as info:
+            reader.read("A")
+        assert_names_a(info.value)
+        rows = reader.info("A").inner_chunk_shape[0]
+        assert bits(reader.read("A", np.s_[rows:, :])) == bits(full["A"][rows:])  # the other inner chunks
+        found = verify(reader)
+    assert [(p.array, "fails to decode" in p.text) for p in found.problems] == [("A", True)], found.problems
+    if measured:
+        assert _peak_rss() - before < 256 << 20, f"peak resident memory grew by {(_peak_rss() - before) >> 20} MiB"
+    out = lc.load(url, select=["B", "C"])
+    assert bits(out["B"]) == bits(full["B"]) and bits(out["C"]) == bits(full["C"])
+
+
+def inner_chunks_per_file_url(url: str, name: str) -> int:
+    info = lc.open(url).info(name)
+    return int(np.prod([s // c for s, c in zip(info.shard_shape, info.inner_chunk_shape)]))

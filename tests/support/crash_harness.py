@@ -215,10 +215,11 @@ Launcher = PopenLauncher | ForkServer
 
 @dataclass
 class RandomKill:
-    """Kill ``targets`` (ranks) ``delay`` seconds after every rank printed ``SAVING``."""
+    """Kill ``targets`` (ranks) ``delay`` seconds after every rank printed ``after`` (an event)."""
 
     targets: list[int]
     delay: float
+    after: str = "SAVING"
 
 
 @dataclass
@@ -233,6 +234,9 @@ class JobResult:
     torn_down: list[int] = field(default_factory=list)  # ranks killed because a peer had died
     timed_out: bool = False
     failures: list[str] = field(default_factory=list)  # per rank: the error it printed (FAILED), or ""
+    values: dict[int, dict[str, list[str]]] = field(default_factory=dict)  # rank -> event -> its words
+    seconds: float = 0.0  # from the start of the ranks to the end of the last one
+    hwm_at_kill: list[int | None] = field(default_factory=list)  # each rank's peak resident kB when killed
 
     def committed_on(self, rank: int) -> bool:
         return "COMMITTED" in self.events[rank]
@@ -244,7 +248,18 @@ class JobResult:
 
     def save_seconds(self) -> float:
         """From the last rank's ``SAVING`` to the last rank's ``COMMITTED``."""
-        return max(e["COMMITTED"] for e in self.events) - max(e["SAVING"] for e in self.events)
+        return self.span("SAVING", "COMMITTED")
+
+    def span(self, start: str, end: str) -> float:
+        """From the last rank's event ``start`` to the last rank's event ``end``."""
+        return max(e[end] for e in self.events) - max(e[start] for e in self.events)
+
+    def peak_kb(self) -> list[int | None]:
+        """Each rank's peak resident size in kB (its ``PEAK`` line), None where it printed none."""
+        return [
+            int(self.values.get(r, {}).get("PEAK", [-1])[0]) if "PEAK" in self.values.get(r, {}) else None
+            for r in range(self.world)
+        ]
 
     def describe(self) -> str:
         lines = [f"step {self.step} on {self.world} ranks: returncodes {self.returncodes}"]
@@ -291,6 +306,8 @@ def run_job(
     save_timeout: float | None = None,
     busy: list[float] | None = None,
     tcp: bool = False,
+    mode: str = "manager",
+    extra: list[str] | None = None,
 ) -> JobResult:
     """Run one job to its end: completion, or a kill followed by the teardown of its other ranks.
 
@@ -299,16 +316,18 @@ def run_job(
     rank 0's process (as under torchrun), instead of a file."""
     workdir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
-    init = f"tcp://127.0.0.1:{free_port()}" if tcp else str(workdir / f"init-{tag}")
+    # A world of one needs no torch.distributed: the worker then saves without a process group.
+    init = f"tcp://127.0.0.1:{free_port()}" if tcp else "none" if world == 1 else str(workdir / f"init-{tag}")
     outs = [workdir / f"{tag}-rank{r}.out" for r in range(world)]
     errs = [workdir / f"{tag}-rank{r}.err" for r in range(world)]
     argv_common = ["--world", str(world), "--init", init, "--root", str(root), "--step", str(step)]
-    argv_common += ["--mb", str(mb)]
+    argv_common += ["--mb", str(mb), "--mode", mode, *(extra or [])]
     if kill_at is not None:
         argv_common += ["--kill-at", kill_at, "--kill-rank", str(kill_rank)]
     if save_timeout is not None:
         argv_common += ["--timeout", str(save_timeout)]
     argvs = [["--rank", str(r), *argv_common, "--busy", str(busy[r] if busy else 0.0)] for r in range(world)]
+    began = time.monotonic()
     procs = [launcher.spawn(argvs[r], outs[r], errs[r]) for r in range(world)]
 
     def events(rank: int) -> dict[str, float]:
@@ -326,9 +345,10 @@ def run_job(
             rcs = [p.poll() for p in procs]
             if random_kill is not None and result.kill_time is None:
                 evs = [events(r) for r in range(world)]
-                if all("SAVING" in e for e in evs):
-                    start = max(e["SAVING"] for e in evs)
+                if all(random_kill.after in e for e in evs):
+                    start = max(e[random_kill.after] for e in evs)
                     if now >= start + random_kill.delay:
+                        result.hwm_at_kill = [_hwm_kb(p.pid) for p in procs]
                         for r in random_kill.targets:
                             procs[r].kill()
                         result.kill_time = time.monotonic()
@@ -353,11 +373,36 @@ def run_job(
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+    result.seconds = time.monotonic() - began
     result.returncodes = [p.poll() for p in procs]
+    result.values = {r: _event_words(outs[r]) for r in range(world)}
     result.events = [events(r) for r in range(world)]
     result.stderr = [e.read_text(errors="replace") if e.exists() else "" for e in errs]
     result.failures = [_failure(out) for out in outs]
     return result
+
+
+def _hwm_kb(pid: int) -> int | None:
+    """The peak resident size (VmHWM, kB) of the live process ``pid``, or None."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _event_words(out: Path) -> dict[str, list[str]]:
+    """Each event a worker printed -> the words after its name (first occurrence)."""
+    found: dict[str, list[str]] = {}
+    text = out.read_text(errors="replace") if out.exists() else ""
+    for line in text.splitlines():
+        words = line.rpartition(" @")[0].split()
+        if words and not words[0].startswith("PHASE"):
+            found.setdefault(words[0], words[1:])
+    return found
 
 
 def _failure(out: Path) -> str:
@@ -527,3 +572,127 @@ def random_kill(rng: random.Random, world: int, horizon: float) -> RandomKill:
     """One random rank or all of them, after a delay uniform in [0, horizon]."""
     targets = list(range(world)) if rng.random() < 0.3 else [rng.randrange(world)]
     return RandomKill(targets, rng.uniform(0.0, horizon))
+
+
+# --- a world of one, retention and restarts ----------------------------------------------------
+
+
+def seed_many(root: Path, steps: list[int], arrays: int) -> None:
+    """Committed steps of ``crash_worker.build_many`` states (many small files each), saved by
+    ``lc.save`` into their step folders as a manager would."""
+    for s in steps:
+        lc.save(step_path(root, s), cw.build_many(s, arrays), metadata={"step": s, "arrays": arrays})
+
+
+def check_many(path: Path, step: int, arrays: int) -> list[str]:
+    """Problems with the committed ``build_many`` state of ``step`` at ``path`` (empty: bit-exact)."""
+    try:
+        state = lc.load(path)
+        expected = cw.build_many(step, arrays)
+        if sorted(state.get("p", {})) != sorted(expected["p"]) or state.get("step") != step:
+            return [f"step {step}: names {sorted(state.get('p', {}))[:3]}..., step leaf {state.get('step')!r}"]
+        return [
+            f"step {step}: array p.{k} differs" for k, t in expected["p"].items() if not same_bits(state["p"][k], t)
+        ]
+    except Exception as err:  # noqa: BLE001 - reported as a problem
+        return [f"step {step}: {type(err).__name__}: {err}"]
+
+
+def check_committed(path: Path, step: int) -> list[str]:
+    """Problems with any committed checkpoint these tests write (either kind of state, as its
+    metadata says): it loads bit-exact, and ``verify`` (as ``layoutckpt verify``) finds nothing."""
+    from layoutckpt._verify import verify as verify_checkpoint
+
+    try:
+        with lc.open(path) as rd:
+            meta = rd.metadata
+            found = verify_checkpoint(rd)
+    except Exception as err:  # noqa: BLE001 - reported as a problem
+        return [f"step {step}: {type(err).__name__}: {err}"]
+    problems = [f"step {step}: verify: {p.text}" for p in found.problems]
+    if "arrays" in meta:
+        return problems + check_many(path, step, meta["arrays"])
+    return problems + check_step(path, step, meta["mb"])
+
+
+def aside(root: Path, step: int, kind: str) -> Path:
+    """Rename the step folder ``step`` to a crash leftover of ``kind`` (``tmp``, ``del``, ``old``)."""
+    dst = root / f".{step_dir_name(step)}.{kind}-{uuid.uuid4().hex[:12]}"
+    os.rename(step_path(root, step), dst)
+    return dst
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# The leftovers ``seed_leftovers`` makes: what a manager starting there must do with each step.
+LEFTOVER_STEPS = {4: "restore", 5: "remove", 6: "remove", 7: "remove"}
+
+
+def seed_leftovers(root: Path, arrays: int) -> None:
+    """Beside committed steps, one leftover of each kind a crash leaves (many files each): step 4
+    set aside whole by an interrupted overwrite (``.old-``, its folder gone: to be put back),
+    step 5 half retired (``.del-``), step 6 a finished save never renamed (``.tmp-``, its marker
+    inside), step 7 a step folder without its marker."""
+    seed_many(root, [4, 5, 6, 7], arrays)
+    aside(root, 4, "old")
+    aside(root, 5, "del")
+    aside(root, 6, "tmp")
+    (step_path(root, 7) / "zarr.json").unlink()
+
+
+def restart_in_process(root: Path, expected: list[int], *, keep_last: int | None = None) -> list[str]:
+    """Start a manager on ``root`` in this process (no torch.distributed): it must start, leave no
+    leftover, and list exactly ``expected``, each step bit-exact and verified."""
+    problems = []
+    try:
+        with lc.CheckpointManager(root, keep_last=keep_last) as mgr:
+            steps = mgr.steps()
+    except Exception as err:  # noqa: BLE001 - reported as a problem
+        return [f"the manager did not start: {type(err).__name__}: {err}"]
+    s = scan(root)
+    if s.leftovers or s.uncommitted:
+        problems.append(f"leftovers after a restart: {s.leftovers + s.uncommitted}")
+    if steps != expected or s.committed != expected:
+        problems.append(f"steps() is {steps} (on disk {s.committed}), expected {expected}")
+    for k in s.committed:
+        problems += check_committed(step_path(root, k), k)
+    return problems
+
+
+def survivor_error(job: JobResult, rank: int, killed: int) -> str:
+    """How surviving ``rank`` ended: ``"committed"``, ``"typed"`` (a ``SaveError`` naming rank
+    ``killed``), ``"peer"`` (gloo's error for a connection lost before staging, naming only the
+    peer's address), ``"other"``, or ``"none"`` (it printed neither)."""
+    if job.committed_on(rank):
+        return "committed"
+    text = job.failures[rank].strip("'\"")  # the worker prints the repr of "Type: message"
+    if not text:
+        return "none"
+    if text.startswith("SaveError") and f"rank {killed}" in text:
+        return "typed"
+    return "peer" if "by peer" in text else "other"
+
+
+def survivor_problems(job: JobResult, killed: int, committed: bool, limit: float) -> list[str]:
+    """Problems with what the ranks that were not killed reported: each must end on its own
+    within ``limit`` seconds of the kill, with success where the step is committed, else with a
+    typed error (``SaveError``) naming rank ``killed``, or, before the ranks have staged, the
+    gloo error of the lost connection ("by peer"), which names only the peer's address."""
+    problems = []
+    if job.torn_down or job.timed_out:
+        problems.append(f"ranks {job.torn_down} hung and were torn down")
+    for r in range(job.world):
+        if r == killed or r in job.torn_down:
+            continue
+        if committed and not job.committed_on(r):
+            problems.append(f"rank {r} reported {job.failures[r]!r} for a committed step")
+        if not committed and job.committed_on(r):
+            problems.append(f"rank {r} reported success, but the step is not committed")
+        if not committed and survivor_error(job, r, killed) == "other":
+            problems.append(f"rank {r}'s error is no SaveError naming rank {killed}: {job.failures[r]!r}")
+        ended = job.events[r].get("FAILED", job.events[r].get("COMMITTED"))
+        if job.kill_time is not None and ended is not None and ended - job.kill_time > limit:
+            problems.append(f"rank {r} ended {ended - job.kill_time:.1f} s after the kill, above {limit:.1f} s")
+    return problems

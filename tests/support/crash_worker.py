@@ -40,6 +40,20 @@ and runs ``main(argv)``. The server answers ``READY``, ``STARTED <id> <pid>`` an
 ``EXIT <pid> <returncode>`` lines. A job then starts in tens of milliseconds instead of seconds of
 ``import torch``, and the children are killed with SIGKILL exactly like cold-started ones.
 
+Other modes (``--mode``), each of one process unless said otherwise, for kills timed by the harness:
+
+- ``save`` / ``save_async``: ``lc.save`` (or ``lc.save_async(...).result()``) of the step into
+  ``ROOT/step_%08d`` without a manager, in a world of one (``--init none``: no
+  ``torch.distributed``); events ``SAVING``, ``STAGED`` (async), ``COMMITTED``.
+- ``retain``: a ``CheckpointManager(ROOT, keep_last=K)`` over a root of many committed steps
+  saves one more (``build_many``: ``--arrays`` small arrays, so that each step is many files)
+  synchronously, and waits for the retention that deletes the old ones: ``RETAINING``, then
+  ``PHASE retire`` before the first delete, ``RETAINED`` once retention is done.
+- ``restart``: only starts a ``CheckpointManager(ROOT)`` (which takes the lock and removes or
+  restores the leftovers of crashes) and closes it: ``STARTING``, ``STARTED``.
+
+Every mode ends with ``PEAK <kB>`` (the process's peak resident size) on success or failure.
+
 Expected outcomes: the step is committed only for ``after-rename`` on any rank and for
 ``after-marker`` on a rank other than 0 (rank 0 needs nobody once the ranks agreed); every other
 kill leaves it invisible. ``expected_outcome`` says so for the harness.
@@ -149,6 +163,14 @@ def flat_arrays(state: dict[str, Any]) -> dict[str, Any]:
         "opt.m": state["opt"]["m"],
         "opt.count": state["opt"]["count"],
     }
+
+
+def build_many(step: int, arrays: int) -> dict[str, Any]:
+    """A state of ``arrays`` small float32 arrays (a file or two each once saved), from the step alone."""
+    import torch
+
+    g = torch.Generator().manual_seed(104729 * step + 3)
+    return {"p": {f"a{i:03d}": torch.randn(16 + i % 7, generator=g) for i in range(arrays)}, "step": step}
 
 
 # --- phase hooks -------------------------------------------------------------------------------
@@ -272,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=float, default=20.0, help="size of the full state in MiB")
     ap.add_argument("--timeout", type=float, help="the manager's timeout= for its saves, in seconds")
     ap.add_argument("--busy", type=float, default=0.0, help="seconds the main thread spins before mgr.wait()")
+    ap.add_argument("--mode", choices=MODES, default="manager")
+    ap.add_argument("--keep-last", type=int, default=KEEP_LAST, help="retention of --mode retain")
+    ap.add_argument("--arrays", type=int, default=32, help="arrays of the state of --mode retain")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -282,14 +307,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     # A tcp:// rendezvous puts the store in rank 0's process, as torchrun's env:// does.
-    init = args.init if args.init.startswith("tcp://") else f"file://{args.init}"
-    dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world)
+    if args.init != "none":  # "none": a world of one without torch.distributed
+        init = args.init if args.init.startswith("tcp://") else f"file://{args.init}"
+        dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world)
     install_hooks(args.rank, args.kill_at, args.kill_rank)
     try:
-        _save_one_step(args, lc)
+        MODES[args.mode](args, lc)
     except Exception as err:
         event("FAILED", repr(f"{type(err).__name__}: {err}"))
+        event("PEAK", _peak_kb())
         raise
+    event("PEAK", _peak_kb())
     sys.stdout.flush()
     sys.stderr.flush()
     # No process-group teardown: a peer may already be gone, and nothing is left to agree on.
@@ -317,6 +345,60 @@ def _save_one_step(args: argparse.Namespace, lc: Any) -> None:
     mgr.wait()
     event("COMMITTED", args.step)
     mgr.close()
+
+
+def _peak_kb() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _plain_save(args: argparse.Namespace, lc: Any, *, asynchronous: bool) -> None:
+    """``lc.save`` or ``lc.save_async`` of the step, no manager (``--mode save``/``save_async``)."""
+    path = Path(args.root) / f"step_{args.step:08d}"
+    state = build_state(args.step, args.world, args.rank, args.mb)
+    options = dict(
+        metadata={"step": args.step, "world": args.world, "mb": args.mb},
+        rank_state={"rank": args.rank, "step": args.step},
+    )
+    if args.timeout is not None:
+        options["timeout"] = args.timeout
+    event("SAVING", args.step)
+    if asynchronous:
+        fut = lc.save_async(path, state, layout_for(args.world), **options)
+        event("STAGED", args.step)
+        fut.result()
+    else:
+        lc.save(path, state, layout_for(args.world), **options)
+    event("COMMITTED", args.step)
+
+
+def _retain(args: argparse.Namespace, lc: Any) -> None:
+    """Save one more step under ``keep_last`` and wait for the retention it sets off (``--mode retain``)."""
+    mgr = lc.CheckpointManager(args.root, keep_last=args.keep_last, async_save=False)
+    event("RETAINING", args.step)
+    mgr.save(args.step, build_many(args.step, args.arrays), metadata={"step": args.step, "arrays": args.arrays})
+    event("COMMITTED", args.step)
+    mgr.wait()
+    event("RETAINED", args.step)
+    mgr.close()
+
+
+def _restart(args: argparse.Namespace, lc: Any) -> None:
+    """Start a manager on the root, cleaning up its leftovers, and close it (``--mode restart``)."""
+    event("STARTING")
+    mgr = lc.CheckpointManager(args.root)
+    event("STARTED", *mgr.steps())
+    mgr.close()
+
+
+MODES = {
+    "manager": _save_one_step,
+    "save": lambda args, lc: _plain_save(args, lc, asynchronous=False),
+    "save_async": lambda args, lc: _plain_save(args, lc, asynchronous=True),
+    "retain": _retain,
+    "restart": _restart,
+}
 
 
 def _child(request: dict[str, Any]) -> None:
