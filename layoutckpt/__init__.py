@@ -20,6 +20,7 @@ from ._training import LoadStateResult as LoadStateResult
 from ._training import get_state as get_state
 from ._training import load_state as load_state
 from ._training import set_state as set_state
+from ._unpack import export_zarr as export_zarr
 from .base._errors import CheckpointExistsError as CheckpointExistsError
 from .base._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from .base._errors import FormatError as FormatError

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .base import _faults
 from .base._errors import SaveError
 from .format._format import CheckpointMeta, root_document
+from .storage import _packs
 from .storage._location import Location
 from .torch._dist import Comm, StoreComm
 
@@ -38,6 +39,9 @@ def commit_everywhere(
     status = b""
     if comm.rank == 0:
         try:
+            if meta.packed:  # one database of the ranks' (``storage._packs``), durable before the marker
+                _packs.merge(tmp, comm.world)
+                tmp.make_durable()
             # Every rank made its part durable before it reported success (in ``_write``).
             final.commit(tmp, root_document(meta), overwrite=overwrite)
         except Exception as err:  # noqa: BLE001 - broadcast to every rank below

@@ -36,6 +36,7 @@ from .layout._tree import collapse, decode_value, flatten, is_array_leaf, leaf_n
 from .layout._views import Cut, Fused, Padded, part_name
 from .storage import _store
 from .storage._location import locate
+from .storage._packs import arrays_of
 from .torch._dist import check_mesh, comm_for
 from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from .torch._torch import installed, is_tensor
@@ -114,7 +115,7 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     meta = _store.read_meta(root)
     comm = comm_for(options.group)
     plan = _plan_load(root.url, meta, layout, options, comm)
-    reader = root.box_reader(root.url, meta.all_chunks_stored, options.io)
+    reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
     reads = BackgroundReads(reader, plan.requests(meta), options.io)
     phases.since("plan", t0)
     fut: LoadFuture[Any] = LoadFuture(lambda: _finish(plan, meta, reads, root.url, comm, phases, t0, fut), reads)

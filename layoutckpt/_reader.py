@@ -27,6 +27,7 @@ from .layout._spec import Mesh, P
 from .layout._tree import decode_value, leaf_nodes
 from .storage import _store
 from .storage._location import locate
+from .storage._packs import arrays_of
 from .storage._readers import BoxReader
 from .torch._tensors import from_numpy, to_numpy
 from .torch._torch import installed, is_tensor
@@ -78,6 +79,7 @@ class Reader:
         """The path the reader was opened with (a kvstore dict's URL)."""
         self.meta: CheckpointMeta = _store.read_meta(self._root)
         """The parsed root metadata of the checkpoint."""
+        self._arrays = arrays_of(self._root, self.meta)
         self._io = io_config(io)
         self._boxes: BoxReader | None = None
         self._stores: dict[str, ts.TensorStore] = {}
@@ -169,7 +171,7 @@ class Reader:
         if store is None:
             if self._ctx is None:
                 self._ctx = _store.context(self._io.concurrency, self._io.retries)
-            opened = _store.open_array(self._ctx, self._root, self._array(name), all_chunks_stored=self._complete)
+            opened = _store.open_array(self._ctx, self._arrays, self._array(name), all_chunks_stored=self._complete)
             store = self._stores[name] = opened.result()
         return store
 
@@ -180,7 +182,7 @@ class Reader:
     @property
     def _reader(self) -> BoxReader:
         if self._boxes is None:
-            self._boxes = self._root.box_reader(self.path, self._complete, self._io)
+            self._boxes = self._arrays.box_reader(self.path, self._complete, self._io)
         return self._boxes
 
     def read(self, name: str, index: Any = None, *, out: Any = None) -> Any:

@@ -42,8 +42,10 @@ from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._spec import Mesh, P, check_spec
 from .layout._tree import check_no_prefix_clash, flatten, name_to_path, tree_of
+from .storage import _packs
 from .storage._commit import new_token
 from .storage._location import Location, locate
+from .storage._writers import BoxWriter
 from .torch._dist import Comm, StoreComm, background_comm, check_mesh, comm_for, digest
 from .torch._dtensor import default_mesh, sharding_of
 from .torch._staging import Staged, side_stream, stage_all
@@ -118,7 +120,12 @@ def save(
     and through it where not; ``None`` takes the defaults. ``timeout`` (seconds, default 600)
     bounds each wait of ``save_async``'s commit for the other ranks: a rank that died or is
     stuck is named in a ``SaveError`` on every rank still alive, within twice that (the
-    collectives of ``save`` run on the process group, under its own timeout).
+    collectives of ``save`` run on the process group, under its own timeout). ``packing`` says
+    how the objects are stored: ``"files"``, one file per shard and document (plain zarr-python
+    reads it); ``"ocdbt"``, all of them in TensorStore's OCDBT database, a few data files per
+    rank whatever the number of arrays (``io.pack_bytes`` each, 1 GiB by default; plain
+    TensorStore reads it, ``export_zarr`` makes it plain); ``"auto"`` (default) packs above
+    1,000 objects. Loads read either alike.
 
     Returns this rank's ``SaveResult`` (path, bytes and arrays written, seconds, and
     ``.metrics`` with the time of each phase) after the checkpoint is committed on every rank.
@@ -376,6 +383,7 @@ def _job(
         library_version=__version__,
         rank_state_world=comm.world if checked.rank_doc is not None else None,
         all_chunks_stored=True,
+        packing=_packs.choose(options.packing, planned.metas.values()),
     )
     mine = [(checked.arrays[i].name, box) for i, box, _ in planned.regular]
     sources = [_part(source_of(checked.arrays[i]), where) for i, _, where in planned.regular]
@@ -694,11 +702,14 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     documents meanwhile, then make it all durable; a written buffer goes back at once. Which
     writer writes a box is the location's choice (``Location.box_writer``)."""
     _faults.point("save.write", url=job.final.url)
-    writer = job.tmp.box_writer(job.options.io, job.in_flight)
+    if job.meta.packed:
+        writer: BoxWriter = _packs.PackWriter(job.tmp, rank, job.options.io, job.in_flight)
+    else:
+        writer = job.tmp.box_writer(job.options.io, job.in_flight)
     try:
         for (name, box), item in zip(job.mine, items):
             writer.write(job.meta.arrays[name], box, item)
-        job.tmp.write_many(hierarchy.documents(job.meta, rank, world))
+        writer.write_documents(hierarchy.documents(job.meta, rank, world))
         if job.rank_doc is not None:
             job.tmp.write(_rankstate.file_name(rank), job.rank_doc)
         written = writer.join()

@@ -119,9 +119,11 @@ def stored_shards(rd: Reader, name: str, v: Verification) -> set[str]:
 def _document_problem(rd: Reader, key: str, expected: object) -> str | None:
     """How the document at ``key`` differs from ``expected`` (``"missing"`` if absent), or None."""
     try:
-        raw = rd._root.read(key)  # the documents of the location the reader opened
+        raw = rd._arrays.read(key)  # the documents of the checkpoint the reader opened
     except NotRegularFile as err:
         return f"is not a regular file inside the checkpoint ({err.strerror})"
+    except IntegrityError as err:  # a packed checkpoint's database, damaged
+        return f"cannot be read ({err})"
     if raw is None:
         return "missing"
     try:

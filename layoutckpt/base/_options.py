@@ -50,6 +50,8 @@ class IOConfig:
     - ``trim_bytes``: freed read buffers are handed back to the system after this many bytes.
     - ``retries``: how often a failed object-store request is retried (``LAYOUTCKPT_MAX_RETRIES``
       sets the default).
+    - ``pack_bytes``: a packed save (``packing="ocdbt"``) writes one data file per this many
+      bytes of a rank's shards, and holds up to about twice this much encoded until written.
     """
 
     concurrency: int = attrs.field(default=32, validator=_positive)
@@ -65,6 +67,7 @@ class IOConfig:
     budget_bytes: int = attrs.field(default=96 << 20, validator=_positive)
     trim_bytes: int = attrs.field(default=64 << 20, validator=_positive)
     retries: int = attrs.field(factory=_default_retries)
+    pack_bytes: int = attrs.field(default=1 << 30, validator=_positive)
 
     def replace(self, **changes: Any) -> IOConfig:
         """A copy with ``changes``, like ``attrs.evolve``."""
@@ -103,6 +106,9 @@ class SaveOptions:
     group: Any = None
     inner_chunk_bytes: int = 2 << 20
     compression: str | None = None
+    # How the objects are stored: "files" (plain zarr), "ocdbt" (a few files per rank), or
+    # "auto": "ocdbt" above a thousand objects (``storage._packs``).
+    packing: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "files", "ocdbt")))
     # save_async only: return before the copy is done; cap the staging buffers.
     lazy: bool = False
     host_memory_budget: int | None = None
@@ -135,6 +141,7 @@ class SaveKeywords(TypedDict, total=False):
     group: Any
     inner_chunk_bytes: int
     compression: str | None
+    packing: str
     io: IOConfig | None
     timeout: float
 

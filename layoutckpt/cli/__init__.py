@@ -10,7 +10,7 @@ Read it by command; each module parses one command's arguments and prints its re
 - ``_read``: ``read PATH NAME``: ``--slice`` parsing, the read loop, ``.npy`` output.
 - ``_verify``: ``verify PATH``: every checksum and shard; exit 1 if damaged.
 - ``_plan``: ``plan PATH``: what each rank of another layout would read.
-- ``_export``: ``export PATH DIR`` (``--to safetensors``, the default): Hugging Face files.
+- ``_export``: ``export PATH DIR``: Hugging Face files (``--to safetensors``), or plain Zarr (``--to zarr``).
 - ``_text``: shared output: human sizes, aligned tables, strict JSON, progress bars.
 - ``_common``: shared input: the program name, ``UsageError``/``NotFound``, opening a checkpoint.
 """

@@ -1,5 +1,7 @@
-"""``layoutckpt export --to safetensors``: Hugging Face files, by ``export_safetensors``, with a
-progress bar that watches the files grow."""
+"""``layoutckpt export``: ``--to safetensors`` (the default) writes Hugging Face files, by
+``export_safetensors``, with a progress bar that watches the files grow; ``--to zarr`` writes a
+packed checkpoint as a plain one (a file per shard, what plain zarr reads), by ``export_zarr``,
+whose progress callback moves the bar."""
 
 from __future__ import annotations
 
@@ -11,8 +13,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ._common import NotFound, name_regex, open_checkpoint
+from ._common import NotFound, UsageError, name_regex, open_checkpoint
 from ._text import human, progress
+
+EXPORT_FORMATS = ("safetensors", "zarr")
+# What only --to safetensors takes, by option: given with --to zarr, it is a usage error.
+SAFETENSORS_ONLY = {"select": "--select", "max_shard_bytes": "--max-shard-bytes", "prefix": "--prefix"}
+MAX_SHARD_BYTES = 5 * 2**30
 
 SIZE_UNITS = {
     "": 1,
@@ -29,16 +36,49 @@ def parse_size(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.to == "zarr":
+        return to_zarr(args)
+    if args.overwrite:
+        raise UsageError("--overwrite is for --to zarr; a safetensors export replaces the files it writes")
+    return to_safetensors(args)
+
+
+def to_zarr(args: argparse.Namespace) -> int:
+    from .._unpack import export_zarr
+
+    given = [flag for attr, flag in SAFETENSORS_ONLY.items() if getattr(args, attr) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: for --to safetensors only; --to zarr copies the whole checkpoint")
+    bar = None
+
+    def advance(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:  # the total is known once the export has read the source's metadata
+            bar = progress(args, total, "export")
+        bar.update(done - bar.n)
+
+    try:
+        copied = export_zarr(args.path, args.out, overwrite=args.overwrite, progress=advance)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"{args.out}  {human(copied)} (plain zarr, a file per shard)")
+    return 0
+
+
+def to_safetensors(args: argparse.Namespace) -> int:
     from .._safetensors import export_safetensors
 
+    max_shard_bytes = MAX_SHARD_BYTES if args.max_shard_bytes is None else args.max_shard_bytes
+    prefix = "model" if args.prefix is None else args.prefix
     # A missing checkpoint: one clear line before anything is made.
     with open_checkpoint(args.path) as rd:
         regex = name_regex(args.select) if args.select else None
         total = sum(rd.info(n).nbytes for n in rd.keys() if regex is None or regex.search(n))
-    with progress(args, total, "export") as bar, watch_folder(args.out, args.prefix, bar):
+    with progress(args, total, "export") as bar, watch_folder(args.out, prefix, bar):
         try:
             written = export_safetensors(
-                args.path, args.out, select=args.select, max_shard_bytes=args.max_shard_bytes, prefix=args.prefix
+                args.path, args.out, select=args.select, max_shard_bytes=max_shard_bytes, prefix=prefix
             )
         except KeyError as err:
             raise NotFound(str(err.args[0])) from None

@@ -112,9 +112,8 @@ def ls_checkpoint(rd: Reader, args: argparse.Namespace) -> int:
         return 0
     doc = checkpoint_doc(rd)
     step = "no step" if meta.step is None else f"step {meta.step}"
-    version = f"format v{meta.format_version}" + (
-        f", layoutckpt {meta.library_version}" if meta.library_version else ""
-    )
+    version = f"format v{meta.format_version}" + (f", packed ({meta.packing})" if meta.packed else "")
+    version += f", layoutckpt {meta.library_version}" if meta.library_version else ""
     print(f"{rd.path}: {step}, {plural(len(meta.arrays), 'array')} ({human(doc['nbytes'])}), {version}")
     print(f"saved on {meta.mesh!r}" + (" by the rules:" if meta.rules else ""))
     # A rule's pattern as it was written (a repr would double every backslash).

@@ -4,7 +4,7 @@
     layoutckpt read PATH NAME [--slice 0:8,:]  one tensor, a slice of it, or a value
     layoutckpt verify PATH                     every checksum, every shard present; exit 1 if not
     layoutckpt plan PATH --spec F --mesh dp=2  what a load under another layout would read
-    layoutckpt export PATH DIR                 Hugging Face safetensors files (--to safetensors)
+    layoutckpt export PATH DIR                 Hugging Face safetensors files; --to zarr: a packed checkpoint unpacked
     layoutckpt import SRC DST [--from dcp]     a checkpoint from safetensors files or a DCP folder
     layoutckpt gc ROOT --keep-last N           a CheckpointManager's retention, from outside
 
@@ -15,7 +15,7 @@ go to stderr when it is a terminal (``--progress``/``--no-progress`` override).
 
 This module builds the parser and maps errors to exit codes; each command lives in its own
 module (see the package's docstring), which parses and prints while library functions do the
-work: ``_verify.verify``, ``_readplan.plan_reads`` (pure), ``export_safetensors`` and
+work: ``_verify.verify``, ``_readplan.plan_reads`` (pure), ``export_safetensors``, ``export_zarr`` and
 ``_retention.collect_garbage``.
 """
 
@@ -36,7 +36,7 @@ from ..base._errors import (
 )
 from ..base._version import __version__
 from ._common import PROG, NotFound, UsageError
-from ._export import cmd_export, parse_size
+from ._export import EXPORT_FORMATS, cmd_export, parse_size
 from ._import import add_arguments as import_arguments
 from ._import import cmd_import
 from ._ls import cmd_ls
@@ -92,15 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--select", help="only the names this regex finds")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = command("export", cmd_export, "write the arrays as Hugging Face safetensors files", bars)
+    p = command(
+        "export",
+        cmd_export,
+        "write the arrays as Hugging Face safetensors files, or a packed checkpoint as plain Zarr",
+        bars,
+    )
     p.add_argument("path")
     p.add_argument(
-        "--to", choices=["safetensors"], default="safetensors", help="the output format (default: safetensors, the one)"
+        "--to",
+        choices=EXPORT_FORMATS,
+        default="safetensors",
+        help="safetensors (the default): Hugging Face files; zarr: a packed checkpoint as a plain one (a file per shard)",
     )
-    p.add_argument("out", help="the folder to write (best empty)")
-    p.add_argument("--select", help="only the arrays this regex finds")
-    p.add_argument("--max-shard-bytes", type=parse_size, default=5 * 2**30, help="per file, e.g. 5GB (default 5 GiB)")
-    p.add_argument("--prefix", default="model", help="file name stem (default: model)")
+    p.add_argument("out", help="the folder to write (best empty); with --to zarr, the checkpoint to write (any path)")
+    p.add_argument("--select", help="safetensors: only the arrays this regex finds")
+    p.add_argument("--max-shard-bytes", type=parse_size, help="safetensors: per file, e.g. 5GB (default 5 GiB)")
+    p.add_argument("--prefix", help="safetensors: file name stem (default: model)")
+    p.add_argument("--overwrite", action="store_true", help="zarr: replace a committed checkpoint at OUT")
 
     import_arguments(command("import", cmd_import, "write a checkpoint from safetensors files or a PyTorch DCP folder"))
 

@@ -26,7 +26,11 @@ from ._shard import COMPRESSIONS, compression_json
 # array's pieces (up to one per rank, longer than ``torch.chunk``'s) and finer shards that tile
 # every box (row blocks of flat parameters split by tensor parallelism; replica-parallel writes).
 # Older readers would call such a checkpoint corrupt; the version makes them say "newer format".
-FORMAT_VERSION = 4
+# 5: packed checkpoints (``packing``: the arrays' objects in one OCDBT database, section 3.1).
+FORMAT_VERSION = 5
+# How the arrays' objects are stored: ``files`` (one object per shard and document, what plain
+# zarr reads) or ``ocdbt`` (TensorStore's OCDBT key-value store, a few data files per rank).
+PACKINGS = ("files", "ocdbt")
 ATTRS_KEY = "layoutckpt"
 KINDS = ("torch", "numpy", "numpy_scalar")
 # The root document's checksum member (format version 3 on): the SHA-256 of the rest of the
@@ -263,9 +267,16 @@ class CheckpointMeta:
     # Every chunk was stored, all-zero ones included, so a missing one is damage. Checkpoints
     # of the first releases omitted all-zero chunks and lack the member.
     all_chunks_stored: bool = False
+    packing: str = "files"
+
+    @property
+    def packed(self) -> bool:
+        return self.packing != "files"
 
     def to_dict(self) -> dict[str, Any]:
         optional: dict[str, Any] = {}
+        if self.packed:
+            optional["packing"] = self.packing
         if self.rank_state_world is not None:
             optional["rank_state_world"] = self.rank_state_world
         if self.all_chunks_stored:
@@ -328,6 +339,7 @@ class CheckpointMeta:
                 format_version=version,
                 rank_state_world=rank_state_world,
                 all_chunks_stored=d.get("all_chunks_stored") is True,
+                packing=_packing(d.get("packing", "files"), version, where),
             )
         except FormatError:
             raise
@@ -339,6 +351,14 @@ class CheckpointMeta:
             raise FormatError(
                 f"{where}: the {ATTRS_KEY!r} metadata is malformed ({err!r}); the checkpoint is corrupt"
             ) from None
+
+
+def _packing(packing: Any, version: int, where: str) -> str:
+    if packing not in PACKINGS or (packing != "files" and version < 5):
+        raise FormatError(
+            f"{where}: unknown packing {packing!r} for format version {version} (expected one of {PACKINGS})"
+        )
+    return packing
 
 
 def _parse_arrays(entries: Any, version: int, mesh: Mesh, where: str) -> dict[str, ArrayMeta]:

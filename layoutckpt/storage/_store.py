@@ -81,10 +81,11 @@ def open_array(
 # TensorStore's status codes for stored bytes that cannot be trusted: a checksum or an index
 # that fails (``DATA_LOSS``), a chunk that is gone (``NOT_FOUND``), and bytes that fail to decode
 # (``FAILED_PRECONDITION``: a zstd or blosc stream that is corrupt, cut short, or inflates past
-# its inner chunk, as a decompression bomb does; TensorStore stops decoding at the chunk's size).
+# its inner chunk, as a decompression bomb does; TensorStore stops decoding at the chunk's size),
+# and bytes cut short under what an index says they hold (``OUT_OF_RANGE``: a truncated file).
 # A committed checkpoint is never rewritten, so no read of it fails a precondition otherwise.
 # Other codes (an object store that is unreachable, a permission) are no damage and pass through.
-_DAMAGE_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION")
+_DAMAGE_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "OUT_OF_RANGE")
 
 
 def read_result(future: Any, name: str, where: str) -> Any:

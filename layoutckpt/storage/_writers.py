@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,6 +59,10 @@ class BoxWriter(abc.ABC):
         """Wait for every write; the bytes of the boxes written. Raises the first failure."""
 
     @abc.abstractmethod
+    def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
+        """Write the small documents ``(key, bytes)`` of this rank's share (``hierarchy``)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Drop the writes not started and wait for those under way; always called last, after
         ``join`` or after a failure (a source still waited for must fail first)."""
@@ -70,7 +74,7 @@ class BoxWriter(abc.ABC):
         self.close()
 
 
-def _nbytes(meta: ArrayMeta, box: Box) -> int:
+def box_nbytes(meta: ArrayMeta, box: Box) -> int:
     return numpy_dtype(meta.dtype).itemsize * math.prod(box_shape(box))
 
 
@@ -86,24 +90,36 @@ class TensorStoreWriter(BoxWriter):
         self._pending: list[tuple[Any, str]] = []  # (write, array path)
         self._bytes = 0
 
+    def _transaction(self) -> Any:
+        """The transaction the writes join, or None: each write commits by itself."""
+        return None
+
     def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
         if meta.path not in self._opened:
             self._opened[meta.path] = _store.open_array(self._ctx, self.location, meta)
         store = self._opened[meta.path].result()
+        txn = self._transaction()
+        if txn is not None:
+            store = store.with_transaction(txn)
         data = source.wait()
         if callable(data):
             data = data(box)  # TensorStore stores a shard as one value: the box is read whole
         target = store[tuple(slice(a, b) for a, b in box)] if box else store
         self.in_flight.start(data.nbytes)
-        w = target.write(data, can_reference_source_data_indefinitely=True)
+        # Alone, a write may keep the source until it is stored (no copy); in a transaction it
+        # copies at once, since the transaction may commit long after the source must go back.
+        w = target.write(data, can_reference_source_data_indefinitely=txn is None)
 
         def settled(_: Any, nbytes: int = data.nbytes) -> None:
             self.in_flight.done(nbytes)
             source.release()
 
-        w.commit.add_done_callback(settled)
+        (w.commit if txn is None else w.copy).add_done_callback(settled)
         self._pending.append((w, meta.path))
         self._bytes += data.nbytes
+
+    def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
+        self.location.write_many(items)
 
     def join(self) -> int:
         for w, name in self._pending:
@@ -142,7 +158,7 @@ class ShardFileWriter(BoxWriter):
         try:
             data = source.wait()
             held = isinstance(data, np.ndarray)
-            nbytes = data.nbytes if held else _nbytes(meta, box)
+            nbytes = data.nbytes if held else box_nbytes(meta, box)
             dtype = data.dtype if held else numpy_dtype(meta.dtype)
             self.in_flight.start(nbytes)
             self._files.write(meta, cell, dtype, data, start_writeback=True)
@@ -151,6 +167,9 @@ class ShardFileWriter(BoxWriter):
             return nbytes
         finally:
             source.release()
+
+    def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
+        self._others.write_documents(items)
 
     def join(self) -> int:
         return self._others.join() + self._threads.join()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import layoutckpt as lc
 from tests.support import crash_harness as ch
 from tests.support import crash_worker as cw
 
@@ -117,6 +118,27 @@ def test_random_kill(server, base, tmp_path, seed):
         assert job.returncodes == [0] * WORLD, job.describe()
     if all(rc == 0 for rc in job.returncodes):  # the kill came after the save had finished
         assert verdict.committed
+    restart(server, root, tmp_path, 4)
+
+
+PACKED_KILLS = [(1, "write"), (0, "before-marker"), (1, "after-marker"), (0, "after-rename")]
+
+
+@pytest.mark.parametrize(("kill_rank", "phase"), PACKED_KILLS, ids=[f"rank{r}-{p}" for r, p in PACKED_KILLS])
+def test_packed_phase_kill(server, base, tmp_path, kill_rank, phase):
+    """The same kills of a packed save (``packing="ocdbt"``): rank 0 merges the ranks' databases
+    before the marker, so a kill before it leaves nothing visible, and one after it a step
+    that loads bit for bit."""
+    base_root, _ = base
+    expect = cw.expected_outcome(phase, kill_rank)
+    job, verdict, root = crash(
+        server, base_root, tmp_path, 3, expect=expect, kill_at=phase, kill_rank=kill_rank, extra=["--packing", "ocdbt"]
+    )
+    assert job.returncodes[kill_rank] == -9
+    if expect == "committed":
+        assert lc.open(ch.step_path(root, 3)).meta.packing == "ocdbt"
+    else:
+        assert verdict.scan.committed == [1, 2]
     restart(server, root, tmp_path, 4)
 
 

@@ -6,7 +6,8 @@
 Run once per format version, by the layoutckpt that introduced it: ``v1`` was written by
 layoutckpt 0.1 (format version 1), ``v2`` when chunk keys became ``c.0.1``, ``v3`` when
 the root document gained its checksum, ``v4`` when layouts gained stages, local names, fused and
-padded tensors and ZeRO over tensor parallelism (``parallel`` is new in ``v4``).
+padded tensors and ZeRO over tensor parallelism (``parallel`` is new in ``v4``), ``v5`` when
+checkpoints could be packed into OCDBT (``packed`` is new in ``v5``).
 
 The goldens are the compatibility promise of ``docs/format.md``: every later layoutckpt must read
 them. Regenerating them with a newer library would hide a format change, so the tests never run
@@ -23,6 +24,8 @@ this script; they compute their expectations independently and compare.
   stage, output layer on the last, padded past their 5 rows) and, held alike by every stage, a
   ZeRO buffer over tensor-parallel pieces (``Flat(..., specs=...)``). Every value is a formula
   (``parallel_global``), so a test recomputes the stored arrays without this file.
+* ``packed`` (from ``v5``): ``parallel``'s save with ``packing="ocdbt"``: the same objects in
+  four per-rank OCDBT databases merged into one at the root.
 """
 
 from __future__ import annotations
@@ -231,7 +234,7 @@ def parallel_local_state(mesh: dict[str, int], rank: int) -> dict[str, torch.Ten
     return out
 
 
-def _save_parallel_rank(rank: int, init_file: str, path: str) -> None:
+def _save_parallel_rank(rank: int, init_file: str, path: str, packing: str = "files") -> None:
     world = math.prod(PARALLEL_MESH.values())
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -242,6 +245,7 @@ def _save_parallel_rank(rank: int, init_file: str, path: str) -> None:
             step=25,
             metadata={"run": f"golden-v{lc.FORMAT_VERSION}-parallel"},
             inner_chunk_bytes=INNER_CHUNK_BYTES,
+            packing=packing,
         )
     finally:
         dist.destroy_process_group()
@@ -263,6 +267,10 @@ def make(out: Path) -> None:
         init_file = os.path.join(tmp, "init")
         world = math.prod(PARALLEL_MESH.values())
         mp.spawn(_save_parallel_rank, args=(init_file, str(out / "parallel")), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        world = math.prod(PARALLEL_MESH.values())
+        mp.spawn(_save_parallel_rank, args=(init_file, str(out / "packed"), "ocdbt"), nprocs=world, join=True)
     layout = lc.Layout(lc.Mesh({"dp": 1}), [(r".*", lc.P())])
     for compression in ("zstd", "blosc"):
         lc.save(out / compression, compressed_state(), layout, step=1, inner_chunk_bytes=48, compression=compression)

@@ -37,7 +37,7 @@ import zarr
 import layoutckpt as lc
 from tests.support.paths import GOLDEN as GOLDENS
 
-VERSIONS = (1, 2, 3, 4)
+VERSIONS = (1, 2, 3, 4, 5)
 MISSING = 2**64 - 1
 
 
@@ -913,3 +913,38 @@ def test_parallel_golden_opens_in_plain_zarr_and_tensorstore():
         assert zarr.open_array(path, mode="r")[...].tobytes() == _as_numpy(want[name]).tobytes(), name
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}
         assert ts.open(spec, read=True).result().read().result().tobytes() == _as_numpy(want[name]).tobytes(), name
+
+
+# packed (version 5 on): parallel's save with packing="ocdbt": the same objects, in the ranks'
+# OCDBT databases merged into one at the root; only the root document is a plain file.
+PACKED = GOLDENS / "v5" / "packed"
+
+
+def test_packed_golden_reads_as_the_parallel_one():
+    doc = json.loads((PACKED / "zarr.json").read_bytes())["attributes"]["layoutckpt"]
+    assert doc["format_version"] == 5 and doc["packing"] == "ocdbt"
+    assert not (PACKED / "decoder").exists() and (PACKED / "manifest.ocdbt").is_file()
+    assert sorted(p.name for p in (PACKED / "packs").iterdir()) == ["00000", "00001", "00002", "00003"]
+    want = parallel_arrays()
+    rd = lc.open(PACKED)
+    assert rd.meta.packing == "ocdbt" and sorted(rd.keys()) == sorted(want)
+    for name, tensor in want.items():
+        assert rd.read(name).tobytes() == _as_numpy(tensor).tobytes(), name
+    assert rd.read("output_layer.weight", np.s_[3:5]).tobytes() == _as_numpy(want["output_layer.weight"][3:5]).tobytes()
+    like = {n: torch.empty_like(t, device="meta") for n, t in parallel_rank_state(1, 1, 0, pad_rows=8).items()}
+    got = lc.load(PACKED, parallel_layout(1, 1), like=like)
+    for name, tensor in parallel_rank_state(1, 1, 0, pad_rows=8).items():
+        assert_bits_equal(got[name], tensor)
+
+
+def test_packed_golden_loads_on_two_stages(ranks):
+    names = ranks.run(_load_parallel, 2, str(PACKED))
+    assert "embedding.word_embeddings.weight" in names[0] and "output_layer.weight" in names[1]
+
+
+def test_packed_golden_opens_in_plain_tensorstore():
+    want = parallel_arrays()
+    database = {"driver": "ocdbt", "base": {"driver": "file", "path": str(PACKED) + "/"}}
+    for name, tensor in want.items():
+        spec = {"driver": "zarr3", "kvstore": {**database, "path": name.replace(".", "/") + "/"}}
+        assert ts.open(spec, read=True).result().read().result().tobytes() == _as_numpy(tensor).tobytes(), name

@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=MODES, default="manager")
     ap.add_argument("--keep-last", type=int, default=KEEP_LAST, help="retention of --mode retain")
     ap.add_argument("--arrays", type=int, default=32, help="arrays of the state of --mode retain")
+    ap.add_argument("--packing", choices=("auto", "files", "ocdbt"), default="auto", help="save's packing=")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _save_one_step(args: argparse.Namespace, lc: Any) -> None:
     options = {} if args.timeout is None else {"timeout": args.timeout}
-    mgr = lc.CheckpointManager(args.root, keep_last=KEEP_LAST, **options)
+    mgr = lc.CheckpointManager(args.root, keep_last=KEEP_LAST, packing=args.packing, **options)
     state = build_state(args.step, args.world, args.rank, args.mb)
     layout = layout_for(args.world)
     event("SAVING", args.step)
@@ -360,6 +361,7 @@ def _plain_save(args: argparse.Namespace, lc: Any, *, asynchronous: bool) -> Non
     options = dict(
         metadata={"step": args.step, "world": args.world, "mb": args.mb},
         rank_state={"rank": args.rank, "step": args.step},
+        packing=args.packing,
     )
     if args.timeout is not None:
         options["timeout"] = args.timeout

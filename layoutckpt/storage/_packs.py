@@ -1,0 +1,187 @@
+"""Packed checkpoints: the arrays' objects in TensorStore's OCDBT key-value store.
+
+A plain checkpoint stores one object per shard and per document, which on an FSDP-style layout
+is one file per array per rank: millions at scale, each a metadata operation on a parallel file
+system and a request on an object store. A packed one stores the same objects (the same keys,
+the same bytes) in an OCDBT database instead, the format Orbax uses: each rank writes its share
+into a database of its own under ``packs/RRRRR/``, one data file per ``IOConfig.pack_bytes``
+of shards, and rank 0's commit merges the ranks' B-trees into one database at the checkpoint's
+root, referring to the ranks' data files where they lie (no byte is copied). Plain
+``tensorstore`` opens every array with an ``ocdbt`` kvstore over the checkpoint
+(``docs/format.md`` section 3.1).
+
+The commit marker (the root ``zarr.json``) and the per-rank documents stay plain objects beside
+the database (``in_pack``), so a checkpoint is found, listed and committed as any other.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import tensorstore as ts
+
+from ..base._metrics import InFlight
+from ..base._options import IOConfig
+from . import _os, _store
+from ._location import MAX_DOCUMENT_BYTES
+from ._readers import BoxReader, TensorStoreReader
+from ._writers import Source, TensorStoreWriter, box_nbytes
+
+if TYPE_CHECKING:
+    from ..format._format import ArrayMeta, CheckpointMeta
+    from ..layout._plan import Box
+    from ._location import Location
+
+# Where rank r's database lies until the commit merges it (its data files stay there).
+PACKS = "packs"
+# ``packing="auto"`` packs a checkpoint of more objects than this; a smaller one stays plain
+# files, which plain zarr-python reads.
+PACK_ABOVE_OBJECTS = 1000
+
+
+def in_pack(key: str) -> bool:
+    """Whether the object at ``key`` lives in the database: every group and array document and
+    every shard; not the commit marker nor the per-rank documents (hidden keys)."""
+    return key != "zarr.json" and not key.startswith(".")
+
+
+def rank_base(rank: int) -> str:
+    return f"{PACKS}/{rank:05d}"
+
+
+def database(location: Location, rel: str = "") -> dict[str, Any]:
+    """The kvstore spec of the OCDBT database whose files lie at ``rel`` under ``location``."""
+    return {"driver": "ocdbt", "base": location.kvstore(rel)}
+
+
+@attrs.frozen
+class PackView:
+    """What TensorStore needs of a location to open arrays in a database: ``kvstore``."""
+
+    location: Location
+    base: str = ""
+
+    def kvstore(self, rel: str = "") -> dict[str, Any]:
+        return {**database(self.location, self.base), "path": rel.rstrip("/") + "/" if rel else ""}
+
+    @functools.cached_property
+    def _kv(self) -> ts.KvStore:
+        return ts.KvStore.open(self.kvstore(), context=_store.context()).result()
+
+    def read(self, key: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> bytes | None:
+        """A document: from the database where ``in_pack`` says so, else a plain object."""
+        if not in_pack(key):
+            return self.location.read(key, max_bytes)
+        got = _store.read_result(self._kv.read(key), key, self.location.url)
+        if got.state != "value":
+            return None
+        if len(got.value) > max_bytes:
+            raise _os.NotRegularFile(errno.EFBIG, f"{len(got.value)} bytes, above the limit of {max_bytes}", key)
+        return bytes(got.value)
+
+    def box_reader(self, where: str, complete: bool, io: IOConfig) -> BoxReader:
+        """The reader of the arrays: TensorStore, through the database."""
+        return TensorStoreReader(self, where, complete, io)
+
+
+def arrays_of(location: Location, meta: CheckpointMeta) -> Location | PackView:
+    """Where a checkpoint's arrays and documents are read: ``kvstore``, ``read``, ``box_reader``."""
+    return PackView(location) if meta.packed else location
+
+
+class PackWriter(TensorStoreWriter):
+    """This rank's boxes and documents into its own database, through TensorStore: each run of
+    ``io.pack_bytes`` is one transaction, so one data file. TensorStore copies a box as it is
+    written (the source goes back at once) and holds the encoded shards until their
+    transaction commits: a save holds at most about two transactions' bytes besides its own."""
+
+    def __init__(self, staging: Location, rank: int, io: IOConfig, in_flight: InFlight | None = None) -> None:
+        super().__init__(PackView(staging, rank_base(rank)), io, in_flight)
+        self.staging = staging
+        self._txn = _transaction()
+        self._txn_bytes = 0
+        self._commits: list[Any] = []
+
+    def _transaction(self) -> ts.Transaction | None:
+        return self._txn
+
+    def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
+        super().write(meta, box, source)
+        self._txn_bytes += box_nbytes(meta, box)
+        if self._txn_bytes >= self.io.pack_bytes:
+            self._commit()
+
+    def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
+        plain = []
+        kv = ts.KvStore.open(self.location.kvstore(), context=self._ctx).result().with_transaction(self._txn)
+        for key, data in items:
+            if in_pack(key):
+                self._pending.append((kv.write(key, data), key))
+            else:
+                plain.append((key, data))
+        self.staging.write_many(plain)
+
+    def _commit(self) -> None:
+        # Every write of the transaction is in it before it commits (the copy, not the disk).
+        for w, _ in self._pending:
+            if hasattr(w, "copy"):
+                w.copy.result()
+        # One commit at a time: OCDBT writes commits pending together as one data file, and each
+        # one waited for bounds what is held to two transactions (this one, the one filling).
+        if self._commits:
+            self._commits[-1].result()
+        self._commits.append(self._txn.commit_async())
+        self._txn, self._txn_bytes = _transaction(), 0
+
+    def join(self) -> int:
+        self._commit()
+        for c in self._commits:
+            c.result()
+        return super().join()
+
+    def close(self) -> None:
+        self._txn.abort()  # what no commit took (nothing after ``join``)
+        for c in self._commits:
+            try:
+                c.result()
+            except Exception:  # noqa: BLE001 - join raises the first failure
+                pass
+        super().close()
+
+
+def _transaction() -> ts.Transaction:
+    # Atomic: OCDBT writes it as one data file at its commit. A plain transaction may be written
+    # back in parts as TensorStore's cache fills (and layoutckpt's cache holds nothing), each
+    # part a data file of its own.
+    return ts.Transaction(atomic=True)
+
+
+def merge(staging: Location, world: int) -> None:
+    """Make one database of the ranks' (rank 0, before the commit marker): their B-trees are
+    copied into the root database in one atomic transaction; their data files stay put."""
+    ctx = _store.context()
+    parent = ts.KvStore.open(database(staging), context=ctx).result()
+    txn = ts.Transaction(atomic=True)
+    children = [ts.KvStore.open(database(staging, rank_base(r)), context=ctx) for r in range(world)]
+    copies = [c.result().experimental_copy_range_to(parent.with_transaction(txn)) for c in children]
+    for copy in copies:
+        copy.result()
+    txn.commit_async().result()
+
+
+def objects(metas: Iterable[ArrayMeta]) -> int:
+    """How many objects a plain checkpoint of these arrays stores: a shard per grid cell and a
+    document per array."""
+    return sum(math.prod(-(-n // s) for n, s in zip(a.shape, a.shard_shape)) + 1 for a in metas)
+
+
+def choose(packing: str, metas: Iterable[ArrayMeta]) -> str:
+    """The packing of a save asked for ``packing`` (``auto`` packs above ``PACK_ABOVE_OBJECTS``)."""
+    if packing != "auto":
+        return packing
+    return "ocdbt" if objects(metas) > PACK_ABOVE_OBJECTS else "files"
