@@ -64,7 +64,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from layoutckpt import Layout, Mesh, P, Renumber, _save, _stages
+from layoutckpt import IOConfig, Layout, Mesh, P, Renumber, _save, _stages
 from layoutckpt._pieces import localize, pieces_of, tie, tree_nodes
 from layoutckpt.format._format import ArrayMeta, CheckpointMeta, parse_root_document, root_document
 from layoutckpt.layout import _plan
@@ -668,6 +668,12 @@ def run(s: Scenario, repeats: int, loop_sample: int) -> dict[str, Any]:
     r["shard_files"], r["inner_chunks"] = shards, inner
     r["zarr_json_documents"] = len(arrays) + len(groups) + 1
     r["stored_objects"] = shards + r["zarr_json_documents"]
+    # Packed (``packing="ocdbt"``, what "auto" picks above 1,000 objects): a writing rank's
+    # data files (one per ``pack_bytes``) and its manifest, and the root database's manifest.
+    pack = IOConfig().pack_bytes
+    per_rank = np.where(loads > 0, np.ceil(loads / pack) + 1, 0)
+    r["packed_files_per_rank_max"] = int(per_rank.max())
+    r["packed_files"] = int(per_rank.sum()) + 1
 
     # (e) metadata.
     per_array = [len(json.dumps(a.zarr_metadata()).encode()) for a in arrays.values()]
@@ -767,6 +773,12 @@ def table(r: dict[str, Any]) -> str:
             "",
         ),
         ("stored objects: shard files + zarr.json", f"{r['shard_files']:,} + {r['zarr_json_documents']:,}", "", ""),
+        (
+            "packed: files, most per rank",
+            f"{r['packed_files']:,}, {r['packed_files_per_rank_max']}",
+            "a few per rank",
+            "PASS" if r["packed_files_per_rank_max"] <= 4 else "MISS",
+        ),
         ("inner chunks", f"{r['inner_chunks']:,}", "", ""),
     ]
     if "exchange_documents" in r:
