@@ -11,6 +11,7 @@ A location says which reader it needs (``Location.box_reader``); the read engine
 from __future__ import annotations
 
 import abc
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ import tensorstore as ts
 
 from ..base._options import IOConfig
 from ..format._dtypes import numpy_dtype
+from ..format._shard import index_bytes
 from ..layout._plan import Box, box_size, row_pieces, shard_pieces
 from . import _os, _shardread, _store
 
@@ -108,6 +110,7 @@ class TensorStoreReader(BoxReader):
         self._ctx = _store.context(io.concurrency, io.retries)
         self._stores: dict[str, ts.TensorStore] = {}
         self._settled = 0
+        self._indexed: set[tuple[str, tuple[int, ...]]] = set()  # shards whose index was checked
 
     def pieces(self, meta: ArrayMeta, box: Box, *, stream: bool) -> list[tuple[Box, bool]]:
         # TensorStore reads a request that covers a whole shard as one value, its bytes held
@@ -125,10 +128,26 @@ class TensorStoreReader(BoxReader):
 
     def start(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> Pending:
         source = self.store(meta)
+        indexes = self.index_reads(meta, source, box)
         if box:
             source = source[tuple(slice(a, b) for a, b in box)]
         target = ts.array(out, copy=False, write=True)
-        return _TensorStoreRead(target.write(source), name, self, out.nbytes)
+        return _TensorStoreRead(target.write(source), name, self, out.nbytes, indexes)
+
+    def index_reads(self, meta: ArrayMeta, store: ts.TensorStore, box: Box) -> list[tuple[str, int, Any]]:
+        """Reads of the indexes of the shards ``box`` overlaps that no read checked yet. TensorStore
+        checks an index's crc32c and that its entries lie in the shard, not that they overlap: a
+        crafted index could make two cells read the same (valid) bytes."""
+        if not meta.inner_chunk_shape:
+            return []
+        table_bytes = index_bytes(meta.shard_shape, meta.inner_chunk_shape)
+        reads = []
+        for cell in cells_of(box, meta.shard_shape):
+            if (meta.path, cell) not in self._indexed:
+                self._indexed.add((meta.path, cell))
+                key = meta.chunk_key(cell)
+                reads.append((key, table_bytes, store.kvstore.read(key, byte_range=slice(-table_bytes, None))))
+        return reads
 
     def settled(self, nbytes: int) -> None:
         """Count a finished read. TensorStore decodes into buffers of its own, which the C
@@ -147,16 +166,31 @@ class TensorStoreReader(BoxReader):
 
 
 class _TensorStoreRead(Pending):
-    def __init__(self, future: Any, name: str, reader: TensorStoreReader, nbytes: int) -> None:
-        self.future, self.name, self.reader, self.nbytes = future, name, reader, nbytes
+    def __init__(self, future: Any, name: str, reader: TensorStoreReader, nbytes: int, indexes: list[Any]) -> None:
+        self.future, self.name, self.reader, self.nbytes, self.indexes = future, name, reader, nbytes, indexes
 
     def result(self) -> int:
         _store.read_result(self.future, self.name, self.reader.where)
+        for key, table_bytes, read in self.indexes:
+            got = _store.read_result(read, self.name, self.reader.where)
+            if got.state == "value":  # the data read above found a missing shard already
+                try:
+                    _shardread.checked_index(bytes(got.value), table_bytes, key, 2**63)
+                except _shardread.Damaged as err:
+                    raise _store.damaged(self.name, self.reader.where, missing=False, detail=str(err)) from None
         self.reader.settled(self.nbytes)
         return self.nbytes
 
     def cancel(self) -> None:
         self.future.cancel()
+
+
+def cells_of(box: Box, shard_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The grid cells of the shards that ``box`` overlaps."""
+    if any(a >= b for a, b in box):
+        return []
+    spans = [range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard_shape)]
+    return list(itertools.product(*spans))
 
 
 def _itemsize(meta: ArrayMeta) -> int:

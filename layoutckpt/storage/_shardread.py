@@ -138,13 +138,7 @@ class _BoxFill:
         if size < self.table_bytes:
             raise Damaged(False, f"shard {key} is {size} bytes, too short for its index")
         table = os.pread(fd, self.table_bytes, size - self.table_bytes)
-        if len(table) != self.table_bytes or crc32c.crc32c(table[:-4]) != int.from_bytes(table[-4:], "little"):
-            raise Damaged(False, f"the index of shard {key} fails its crc32c")
-        entries = np.frombuffer(table, "<u8", count=(self.table_bytes - 4) // 8)
-        offsets, lengths = entries[0::2], entries[1::2]
-        problem = _index_problem(offsets, lengths, size - self.table_bytes)
-        if problem:
-            raise Damaged(False, f"the index of shard {key} is invalid: {problem}")
+        offsets, lengths = checked_index(table, self.table_bytes, key, size - self.table_bytes)
         return offsets.tolist(), lengths.tolist()
 
     def runs(
@@ -318,6 +312,19 @@ def _scratch(nbytes: int) -> np.ndarray:
     if nbytes <= _SCRATCH_KEEP:
         _scratch_local.buffer = buf
     return buf
+
+
+def checked_index(table: bytes, table_bytes: int, key: str, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (offsets, lengths) of a shard's index ``table``, checked: its crc32c, and every stored
+    chunk in bytes ``[0, end)`` of the shard, overlapping no other; ``Damaged`` if not."""
+    if len(table) != table_bytes or crc32c.crc32c(table[:-4]) != int.from_bytes(table[-4:], "little"):
+        raise Damaged(False, f"the index of shard {key} fails its crc32c")
+    entries = np.frombuffer(table, "<u8", count=(table_bytes - 4) // 8)
+    offsets, lengths = entries[0::2], entries[1::2]
+    problem = _index_problem(offsets, lengths, end)
+    if problem:
+        raise Damaged(False, f"the index of shard {key} is invalid: {problem}")
+    return offsets, lengths
 
 
 def _index_problem(offsets: np.ndarray, lengths: np.ndarray, end: int) -> str | None:

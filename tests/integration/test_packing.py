@@ -280,14 +280,17 @@ INDEX_ENTRY = 16
 
 def chunk_accounting(info: lc.ArrayInfo, box) -> int:
     """The most a read of ``box`` fetches of the shard: the inner chunks it overlaps (each with its
-    crc32c) and the index of each shard it overlaps."""
+    crc32c) and the index of each shard it overlaps, twice: TensorStore reads it, and layoutckpt
+    reads it once more to check that no two entries overlap."""
     shard, inner = info.shard_shape, info.inner_chunk_shape
     chunk_bytes = info.dtype.itemsize * math.prod(inner) + CRC
     index_bytes = INDEX_ENTRY * math.prod(s // c for s, c in zip(shard, inner)) + CRC
     total = 0
     for cell in itertools.product(*(range(a // s, -(-b // s)) for (a, b), s in zip(box, shard))):
         sub = [(max(a, i * s), min(b, (i + 1) * s)) for (a, b), i, s in zip(box, cell, shard)]
-        total += math.prod((hi - 1) // c - lo // c + 1 for (lo, hi), c in zip(sub, inner)) * chunk_bytes + index_bytes
+        total += (
+            math.prod((hi - 1) // c - lo // c + 1 for (lo, hi), c in zip(sub, inner)) * chunk_bytes + 2 * index_bytes
+        )
     return total
 
 
