@@ -139,8 +139,10 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
             )
             if mgr is not None:
                 mgr.wait()
-                persisted = max(mgr.steps())
                 mgr.close()
+                # A step only the durable tier holds (the fast tier keeps the last two).
+                with lc.CheckpointManager(durable) as plain:
+                    persisted = min(plain.steps())
                 restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist))
                 if opts["local"] != "memory":
                     shutil.rmtree(local.format(run=run).replace("{rank}", str(rank)), ignore_errors=True)
