@@ -442,7 +442,9 @@ class _Rank:
                 done.result()
 
     def lc_save(self) -> dict[str, Any]:
-        res = self.lc.save(self.paths["lc"], self.state, self.layout)
+        # Plain files, whatever the default packs: these rows measure the own shard-file writer
+        # and reader against the peers; benchmarks/packing.py compares packed with plain.
+        res = self.lc.save(self.paths["lc"], self.state, self.layout, packing="files")
         return {"_timings": {**_phases(res), "bytes_written": res.metrics.bytes}}
 
     def bcp_save(self) -> None:
