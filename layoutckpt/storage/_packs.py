@@ -106,6 +106,7 @@ class PackWriter(TensorStoreWriter):
         self._txn = _transaction()
         self._txn_bytes = 0
         self._commits: list[Any] = []
+        self._documents: list[Any] = []  # their writes into a transaction
 
     def _transaction(self) -> ts.Transaction | None:
         return self._txn
@@ -121,7 +122,7 @@ class PackWriter(TensorStoreWriter):
         kv = ts.KvStore.open(self.location.kvstore(), context=self._ctx).result().with_transaction(self._txn)
         for key, data in items:
             if in_pack(key):
-                self._pending.append((kv.write(key, data), key))
+                self._documents.append(kv.write(key, data))
             else:
                 plain.append((key, data))
         self.staging.write_many(plain)
@@ -129,8 +130,9 @@ class PackWriter(TensorStoreWriter):
     def _commit(self) -> None:
         # Every write of the transaction is in it before it commits (the copy, not the disk).
         for w, _ in self._pending:
-            if hasattr(w, "copy"):
-                w.copy.result()
+            w.copy.result()
+        for d in self._documents:
+            d.result()
         # One commit at a time: OCDBT writes commits pending together as one data file, and each
         # one waited for bounds what is held to two transactions (this one, the one filling).
         if self._commits:
