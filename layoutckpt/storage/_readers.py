@@ -170,6 +170,10 @@ class _TensorStoreRead(Pending):
         self.future, self.name, self.reader, self.nbytes, self.indexes = future, name, reader, nbytes, indexes
 
     def result(self) -> int:
+        # Every future settles before this returns or raises: one left to settle later would call
+        # back into Python from a TensorStore thread after the caller has moved on.
+        for _, _, read in self.indexes:
+            _quietly(read)
         _store.read_result(self.future, self.name, self.reader.where)
         for key, table_bytes, read in self.indexes:
             got = _store.read_result(read, self.name, self.reader.where)
@@ -181,8 +185,16 @@ class _TensorStoreRead(Pending):
         self.reader.settled(self.nbytes)
         return self.nbytes
 
-    def cancel(self) -> None:
-        self.future.cancel()
+    # No ``cancel``: a cancelled TensorStore future reports at once, while the read it stands for
+    # may still be writing into the destination, which the caller frees once it has stopped. The
+    # engine waits for it instead (``result``), so nothing writes into freed memory.
+
+
+def _quietly(future: Any) -> None:
+    try:
+        future.result()
+    except Exception:  # noqa: BLE001 - read again by read_result, which names the array
+        pass
 
 
 def cells_of(box: Box, shard_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
