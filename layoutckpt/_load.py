@@ -503,19 +503,20 @@ def _own_memory(target: Any, dtype: str) -> np.ndarray | None:
 
 def _same_memory(local: Any, data: Any) -> bool:
     """Whether ``data`` is ``local``'s own memory (same address, shape and dtype size)."""
-    if isinstance(local, np.ndarray):
-        address, size = local.ctypes.data, local.nbytes
-    elif is_tensor(local) and local.device.type == "cpu":
-        address, size = local.data_ptr(), local.numel() * local.element_size()
-    else:
+    mine, theirs = _host_memory(local), _host_memory(data)
+    if mine is None or theirs is None:
         return False
-    if isinstance(data, np.ndarray):
-        other, other_size = data.ctypes.data, data.nbytes
-    elif is_tensor(data) and data.device.type == "cpu":
-        other, other_size = data.data_ptr(), data.numel() * data.element_size()
-    else:
-        return False
+    (address, size), (other, other_size) = mine, theirs
     return size > 0 and address == other and size == other_size and tuple(local.shape) == tuple(data.shape)
+
+
+def _host_memory(x: Any) -> tuple[int, int] | None:
+    """(address, bytes) of a NumPy array or a CPU tensor; None for anything else."""
+    if isinstance(x, np.ndarray):
+        return x.ctypes.data, x.nbytes
+    if is_tensor(x) and x.device.type == "cpu":
+        return x.data_ptr(), x.numel() * x.element_size()
+    return None
 
 
 def _plan_flat(
