@@ -22,7 +22,6 @@ written; so is a load that splits 2 query groups over 4 tp ranks (replicated KV 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 import layoutckpt as lc
 from tests.support import megatron
 from tests.support.multirank import RankPool
+from tests.support.oracle import leaves
 
 CFG = megatron.Config()
 SEED = 0
@@ -173,14 +173,6 @@ def _assert_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
         assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"{where}: {name} differs"
 
 
-def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{prefix}{k}.")
-    else:
-        yield prefix[:-1], tree
-
-
 def _logits_of(results: list[Any], pp: int, tp: int) -> list[torch.Tensor]:
     """The logits every rank of the last stage returned (the others return None)."""
     last = range((pp - 1) * tp, pp * tp)
@@ -238,7 +230,7 @@ def test_save_stores_the_logical_unfused_unpadded_arrays(
 def test_plain_load_gives_every_array_under_its_global_name(
     saved: tuple[Path, list[Any]], weights: dict[str, torch.Tensor]
 ) -> None:
-    got = dict(_leaves(lc.load(saved[0])))  # one plain process, no layout: nested global names
+    got = dict(leaves(lc.load(saved[0])))  # one plain process, no layout: nested global names
     _assert_bits(got, {megatron.stored_name(hf): w for hf, w in weights.items()}, "plain load")
 
 

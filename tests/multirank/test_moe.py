@@ -17,7 +17,6 @@ and save again; one plain process loads that at EP=1, and the first checkpoint t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 
 import layoutckpt as lc
 from tests.support.multirank import RankPool
+from tests.support.oracle import leaves
 
 E, HIDDEN, FFN = 8, 8, 12
 SEED = 0
@@ -132,14 +132,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(ints[t.element_size()])
 
 
-def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{prefix}{k}.")
-    else:
-        yield prefix[:-1], tree
-
-
 def _assert_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
     assert sorted(got) == sorted(want), where
     for name, w in want.items():
@@ -186,7 +178,7 @@ def test_to_ep1_in_one_plain_process(resumed: dict[str, Any], source: str) -> No
     full = global_state(kind, SEED)
     like = {n: torch.empty(x.shape, dtype=x.dtype, device="meta") for n, x in full.items()}
     _assert_bits(lc.load(resumed[source], layout(kind, 1, 1), like=like), full, f"EP=1 from {source}")
-    _assert_bits(dict(_leaves(lc.load(resumed[source]))), full, f"plain load of {source}")
+    _assert_bits(dict(leaves(lc.load(resumed[source]))), full, f"plain load of {source}")
     rd = lc.open(resumed[source])
     assert sorted(rd.keys()) == sorted(full)
     for name, want in full.items():

@@ -41,6 +41,7 @@ import layoutckpt as lc
 from tests.support import llama
 from tests.support import pipeline as pl
 from tests.support.multirank import leave_world
+from tests.support.oracle import leaves
 
 SEED = 0
 # Resumed models are built from another seed: only a load that fills every tensor gives back the
@@ -98,20 +99,12 @@ def _spawn(fn: Callable[..., Any], world: int, out: Path) -> dict[str, Any]:
         return pickle.load(f)
 
 
-def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{prefix}{k}.")
-    else:
-        yield prefix[:-1], tree
-
-
 def _full(state: Any) -> dict[str, Any]:
     """Every leaf of a state, DTensors gathered to full tensors (a collective), all copied."""
     from torch.distributed.tensor import DTensor
 
     out = {}
-    for name, leaf in _leaves(state):
+    for name, leaf in leaves(state):
         if isinstance(leaf, DTensor):
             out[name] = leaf.full_tensor().detach().clone()
         elif isinstance(leaf, torch.Tensor):

@@ -5,7 +5,8 @@ Expected values come from here, so a planner bug cannot also hide in the expecta
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,3 +32,12 @@ def local_shard(full: torch.Tensor, spec: Iterable[object], axes: dict[str, int]
         chunks = out.chunk(pieces, dim=dim)
         out = chunks[index] if index < len(chunks) else out.narrow(dim, 0, 0)
     return out
+
+
+def leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted name, leaf)`` of a tree of nested dicts, as a loaded state's global names."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from leaves(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], tree
