@@ -26,21 +26,18 @@ world serves every test through a module-scoped fixture; each resume is one worl
 
 from __future__ import annotations
 
-import os
-import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import layoutckpt as lc
 from tests.support import llama
 from tests.support import pipeline as pl
-from tests.support.multirank import leave_world
+from tests.support.multirank import spawn
 from tests.support.oracle import leaves
 
 SEED = 0
@@ -73,30 +70,6 @@ def _layout(mesh: dict[str, int], rules: list[tuple[str, Any]]) -> lc.Layout:
 
 
 # --- worlds ------------------------------------------------------------------------------------
-
-
-def _entry(rank: int, fn: Callable[..., Any], world: int, out: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{out}/init-{fn.__name__}", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, Path(out))
-        if rank == 0:
-            with open(Path(out) / f"{fn.__name__}.pkl", "wb") as f:
-                pickle.dump(result, f)
-    except BaseException:
-        dist.destroy_process_group()
-        raise  # to mp.spawn, which reports it
-    leave_world()
-
-
-def _spawn(fn: Callable[..., Any], world: int, out: Path) -> dict[str, Any]:
-    """Run ``fn(rank, world, out)`` on a fresh gloo world of ``world`` ranks; rank 0's result."""
-    mp.spawn(_entry, args=(fn, world, os.fspath(out)), nprocs=world, join=True)
-    with open(out / f"{fn.__name__}.pkl", "rb") as f:
-        return pickle.load(f)
 
 
 def _full(state: Any) -> dict[str, Any]:
@@ -221,7 +194,7 @@ def resume_dp2_pp2(rank: int, world: int, out: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("pipeline")
-    return out, _spawn(train_pp2_tp2, 4, out)
+    return out, spawn(train_pp2_tp2, 4, out)
 
 
 # --- checks ----------------------------------------------------------------------------------------
@@ -307,7 +280,7 @@ def test_checkpoint_holds_every_array_once_under_its_global_name(trained: tuple[
 
 def test_resume_pp1_tp2(trained: tuple[Path, dict[str, Any]]) -> None:
     out, ref = trained
-    result = _spawn(resume_pp1_tp2, 2, out)
+    result = spawn(resume_pp1_tp2, 2, out)
     assert all(r["filled"] for r in result["ranks"])  # inplace=True filled the template's tensors
     _assert_same_state(result["state"], ref["state"])
     _assert_next_losses(result["losses"], ref["next_losses"])
@@ -315,7 +288,7 @@ def test_resume_pp1_tp2(trained: tuple[Path, dict[str, Any]]) -> None:
 
 def test_resume_pp4_tp1(trained: tuple[Path, dict[str, Any]]) -> None:
     out, ref = trained
-    result = _spawn(resume_pp4, 4, out)
+    result = spawn(resume_pp4, 4, out)
     assert sorted({r["stage"] for r in result["ranks"]}) == [0, 1, 2, 3]
     assert "model.layers.3.attention.wq.weight" in result["ranks"][3]["state"]
     _assert_same_state(result["state"], ref["state"])
@@ -324,7 +297,7 @@ def test_resume_pp4_tp1(trained: tuple[Path, dict[str, Any]]) -> None:
 
 def test_resume_dp2_pp2(trained: tuple[Path, dict[str, Any]]) -> None:
     out, ref = trained
-    result = _spawn(resume_dp2_pp2, 4, out)
+    result = spawn(resume_dp2_pp2, 4, out)
     assert all(r["filled"] for r in result["ranks"])
     _assert_same_state(result["state"], ref["state"])
     _assert_next_losses(result["losses"], ref["next_losses"])

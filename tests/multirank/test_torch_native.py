@@ -13,8 +13,6 @@ seconds, so the worker of one world serves several tests through a module-scoped
 
 from __future__ import annotations
 
-import os
-import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,11 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import layoutckpt as lc
 from tests.support import llama
-from tests.support.multirank import leave_world
+from tests.support.multirank import spawn
 
 SEED = 0
 # Resumed models are built from another seed (or left uninitialized on meta): only a load that
@@ -39,30 +36,6 @@ EMBEDDING = "model.tok_embeddings.weight"
 
 
 # --- worlds ------------------------------------------------------------------------------------
-
-
-def _entry(rank: int, fn: Callable[..., Any], world: int, out: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{out}/init-{fn.__name__}", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, Path(out))
-        if rank == 0:
-            with open(Path(out) / f"{fn.__name__}.pkl", "wb") as f:
-                pickle.dump(result, f)
-    except BaseException:
-        dist.destroy_process_group()
-        raise  # to mp.spawn, which reports it
-    leave_world()
-
-
-def _spawn(fn: Callable[..., Any], world: int, out: Path) -> dict[str, Any]:
-    """Run ``fn(rank, world, out)`` on a fresh gloo world of ``world`` ranks; rank 0's result."""
-    mp.spawn(_entry, args=(fn, world, os.fspath(out)), nprocs=world, join=True)
-    with open(out / f"{fn.__name__}.pkl", "rb") as f:
-        return pickle.load(f)
 
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
@@ -253,17 +226,17 @@ def _gather_all(value: Any) -> list[Any]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("torch-native")
-    return out, _spawn(train_fsdp4, 4, out)
+    return out, spawn(train_fsdp4, 4, out)
 
 
 @pytest.fixture(scope="module")
 def fsdp2(trained: tuple[Path, dict[str, Any]]) -> dict[str, Any]:
-    return _spawn(resume_fsdp2, 2, trained[0])
+    return spawn(resume_fsdp2, 2, trained[0])
 
 
 @pytest.fixture(scope="module")
 def twod(trained: tuple[Path, dict[str, Any]]) -> dict[str, Any]:
-    return _spawn(resume_2d, 4, trained[0])
+    return spawn(resume_2d, 4, trained[0])
 
 
 # --- checks ----------------------------------------------------------------------------------------
@@ -350,7 +323,7 @@ def test_inplace_load_fills_the_template_dtensors(fsdp2: dict[str, Any]) -> None
 
 def test_resume_tensor_parallel_on_two_ranks(trained: tuple[Path, dict[str, Any]]) -> None:
     out, ref = trained
-    result = _spawn(resume_tp2, 2, out)
+    result = spawn(resume_tp2, 2, out)
     assert result["placements"]["layers.0.attention.wq.weight"] == "(Shard(dim=0),)"
     assert result["placements"]["layers.0.attention.wo.weight"] == "(Shard(dim=1),)"
     assert result["placements"]["tok_embeddings.weight"] == "plain"

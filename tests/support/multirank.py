@@ -123,3 +123,39 @@ class RankPool:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+
+
+# --- fresh worlds: mp.spawn, for tests whose ranks need a world of their own (pipelining, FSDP2)
+
+
+def _spawned_rank(rank: int, fn: Callable[..., Any], world: int, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import pickle
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/init-{fn.__name__}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, Path(out))
+        if rank == 0:
+            with open(Path(out) / f"{fn.__name__}.pkl", "wb") as f:
+                pickle.dump(result, f)
+    except BaseException:
+        dist.destroy_process_group()
+        raise  # to mp.spawn, which reports it
+    leave_world()
+
+
+def spawn(fn: Callable[..., Any], world: int, out: os.PathLike[str]) -> Any:
+    """Run ``fn(rank, world, out)`` on a fresh gloo world of ``world`` ranks; rank 0's result
+    (pickled by the test's own process: nothing here reads a checkpoint)."""
+    import pickle
+
+    import torch.multiprocessing as torch_mp
+
+    torch_mp.spawn(_spawned_rank, args=(fn, world, os.fspath(out)), nprocs=world, join=True)
+    with open(os.path.join(out, f"{fn.__name__}.pkl"), "rb") as f:
+        return pickle.load(f)
