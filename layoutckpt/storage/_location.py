@@ -43,7 +43,7 @@ from ..base._workers import Workers
 from ..format._format import MAX_ROOT_DOCUMENT_BYTES
 from . import _commit, _os
 from ._readers import BoxReader, ShardFileReader, TensorStoreReader
-from ._writers import BoxWriter, ShardFileWriter, TensorStoreWriter
+from ._writers import BoxWriter, ShardFileWriter, ShardObjectWriter
 
 MARKER = "zarr.json"
 # The largest group or array document a reader takes (the root document has its own limit).
@@ -334,7 +334,7 @@ class KvPrefix(Location):
         return TensorStoreReader(self, where, complete, io)
 
     def box_writer(self, io: IOConfig, in_flight: InFlight | None = None) -> BoxWriter:
-        return TensorStoreWriter(self, io, in_flight)
+        return ShardObjectWriter(self, io, in_flight)
 
     def missing_hint(self) -> str:
         if self.read(PENDING) is not None:

@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import tensorstore as ts
 
+from ..base import _faults
 from ..base._metrics import InFlight
 from ..base._options import IOConfig
 from . import _os, _store
 from ._location import MAX_DOCUMENT_BYTES
 from ._readers import BoxReader, TensorStoreReader
-from ._writers import Source, TensorStoreWriter, box_nbytes
+from ._writers import ShardObjectWriter
 
 if TYPE_CHECKING:
     from ..format._format import ArrayMeta, CheckpointMeta
-    from ..layout._plan import Box
     from ._location import Location
 
 # Where rank r's database lies until the commit merges it (its data files stay there).
@@ -94,11 +94,11 @@ def arrays_of(location: Location, meta: CheckpointMeta) -> Location | PackView:
     return PackView(location) if meta.packed else location
 
 
-class PackWriter(TensorStoreWriter):
-    """This rank's boxes and documents into its own database, through TensorStore: each run of
-    ``io.pack_bytes`` is one transaction, so one data file. TensorStore copies a box as it is
-    written (the source goes back at once) and holds the encoded shards until their
-    transaction commits: a save holds at most about two transactions' bytes besides its own."""
+class PackWriter(ShardObjectWriter):
+    """This rank's shards and documents into its own database: each run of ``io.pack_bytes``
+    is one transaction, so one data file. A transaction holds its encoded shards until it
+    commits, and one commits at a time: a save holds at most about two transactions' bytes
+    (the one committing, the one filling) besides its own."""
 
     def __init__(self, staging: Location, rank: int, io: IOConfig, in_flight: InFlight | None = None) -> None:
         super().__init__(PackView(staging, rank_base(rank)), io, in_flight)
@@ -106,33 +106,30 @@ class PackWriter(TensorStoreWriter):
         self._txn = _transaction()
         self._txn_bytes = 0
         self._commits: list[Any] = []
-        self._documents: list[Any] = []  # their writes into a transaction
+        self._writes: list[Any] = []  # into a transaction: done once it commits
+        self._paths: list[str] = []  # the arrays of the shards written
 
-    def _transaction(self) -> ts.Transaction | None:
-        return self._txn
-
-    def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
-        super().write(meta, box, source)
-        self._txn_bytes += box_nbytes(meta, box)
-        if self._txn_bytes >= self.io.pack_bytes:
-            self._commit()
+    def _store(self, key: str, value: bytearray, nbytes: int, path: str) -> None:
+        with self._lock:
+            self._writes.append(self._kv.with_transaction(self._txn).write(key, value))
+            self._paths.append(path)
+            self.in_flight.done(nbytes)  # in the transaction: the source is no longer needed
+            self._txn_bytes += len(value)
+            if self._txn_bytes >= self.io.pack_bytes:
+                self._commit()
 
     def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
         plain = []
-        kv = ts.KvStore.open(self.location.kvstore(), context=self._ctx).result().with_transaction(self._txn)
-        for key, data in items:
-            if in_pack(key):
-                self._documents.append(kv.write(key, data))
-            else:
-                plain.append((key, data))
+        with self._lock:
+            kv = self._kv.with_transaction(self._txn)
+            for key, data in items:
+                if in_pack(key):
+                    self._writes.append(kv.write(key, data))
+                else:
+                    plain.append((key, data))
         self.staging.write_many(plain)
 
     def _commit(self) -> None:
-        # Every write of the transaction is in it before it commits (the copy, not the disk).
-        for w, _ in self._pending:
-            w.copy.result()
-        for d in self._documents:
-            d.result()
         # One commit at a time: OCDBT writes commits pending together as one data file, and each
         # one waited for bounds what is held to two transactions (this one, the one filling).
         if self._commits:
@@ -141,13 +138,21 @@ class PackWriter(TensorStoreWriter):
         self._txn, self._txn_bytes = _transaction(), 0
 
     def join(self) -> int:
-        self._commit()
+        written = self._threads.join()
+        with self._lock:
+            self._commit()
         for c in self._commits:
             c.result()
-        return super().join()
+        for w in self._writes:
+            w.result()
+        for path in self._paths:
+            _faults.point("save.box_written", name=path)
+        return written + self._others.join()
 
     def close(self) -> None:
-        self._txn.abort()  # what no commit took (nothing after ``join``)
+        self._threads.close()
+        with self._lock:
+            self._txn.abort()  # what no commit took (nothing after ``join``)
         for c in self._commits:
             try:
                 c.result()

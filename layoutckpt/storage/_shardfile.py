@@ -98,9 +98,7 @@ class ShardFiles:
         shard of at least ``io.direct_bytes`` held in memory bypasses the page cache
         (``_Direct``), where the file system allows it.
         """
-        inner = tuple(meta.inner_chunk_shape)
         held = isinstance(source, np.ndarray)
-        whole = held and source.shape == tuple(meta.shard_shape) and source.size > 0 and meta.compression is None
         # Only a shard whose every byte is at hand goes past the page cache; the others never
         # ask the kernel (no fcntl per small file).
         direct = self.io.direct_io and held and source.nbytes >= self.io.direct_bytes and meta.compression is None
@@ -109,21 +107,45 @@ class ShardFiles:
         try:
             if direct and _os.is_direct(fd):
                 sink = _Direct(fd, self._threads(), self.io.direct_bytes)
-            if whole:
-                assert isinstance(source, np.ndarray)
-                index = _write_blocks(sink, source, inner, self.io.group_bytes)
-            else:
-                read = source if callable(source) else _reader(source, meta.shard_shape, cell)
-                index = _write_chunks(sink, meta, cell, dtype, read)
-            table = index.tobytes()
-            sink.write([table, crc32c.crc32c(table).to_bytes(4, "little")])
+            written = encode(sink, meta, cell, dtype, source, self.io.group_bytes)
             sink.finish()
             if start_writeback and isinstance(sink, _Buffered):
                 _os.start_writeback(fd)
         finally:
             sink.release()
             os.close(fd)
-        return int(index[:, 1][index[:, 1] != ABSENT].sum()) + len(table) + 4
+        return written
+
+
+def encode(
+    sink: _Sink, meta: ArrayMeta, cell: Sequence[int], dtype: np.dtype, source: ShardSource, group_bytes: int
+) -> int:
+    """Append the shard at grid ``cell`` of the array ``meta`` to ``sink``: its inner chunks,
+    each followed by its crc32c, then the index; returns the bytes appended."""
+    inner = tuple(meta.inner_chunk_shape)
+    if (
+        isinstance(source, np.ndarray)
+        and source.shape == tuple(meta.shard_shape)
+        and source.size > 0
+        and meta.compression is None
+    ):
+        index = _write_blocks(sink, source, inner, group_bytes)
+    else:
+        read = source if callable(source) else _reader(source, meta.shard_shape, cell)
+        index = _write_chunks(sink, meta, cell, dtype, read)
+    table = index.tobytes()
+    sink.write([table, crc32c.crc32c(table).to_bytes(4, "little")])
+    return int(index[:, 1][index[:, 1] != ABSENT].sum()) + len(table) + 4
+
+
+def shard_value(
+    meta: ArrayMeta, cell: Sequence[int], dtype: np.dtype, source: ShardSource, group_bytes: int
+) -> bytearray:
+    """The bytes of the shard at grid ``cell`` of the array ``meta``, as ``ShardFiles`` writes
+    them to a file: one object's value for a key-value store."""
+    sink = _Collect()
+    encode(sink, meta, cell, dtype, source, group_bytes)
+    return sink.value
 
 
 def write_shard(
@@ -277,6 +299,17 @@ class _Buffered(_Sink):
 
     def write(self, parts: list[Any], total: int | None = None) -> None:
         _os.write_all(self.fd, parts, total)
+
+
+class _Collect(_Sink):
+    """Into memory: each part is copied at once (a group's gather buffer is reused for the next)."""
+
+    def __init__(self) -> None:
+        self.value = bytearray()
+
+    def write(self, parts: list[Any], total: int | None = None) -> None:
+        for part in parts:
+            self.value += memoryview(part)  # as bytes, whatever the part's element type
 
 
 _aligned_lock = threading.Lock()

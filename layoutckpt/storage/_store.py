@@ -1,9 +1,9 @@
 """TensorStore: the context, the spec that opens a stored array, and its errors as layoutckpt's.
 
-Array data goes through TensorStore (many reads and writes in flight, byte-range reads of inner
-chunks), on whichever key-value store the checkpoint's location names (``_location``); a local
-checkpoint's shard files are the exception (``_shardfile`` writes them, ``_shardread`` reads
-them). The commit is ``_commit``'s, and every operating-system call ``_os``'s.
+Array data is read through TensorStore (many reads in flight, byte-range reads of inner
+chunks), on whichever key-value store the checkpoint's location names (``_location``), except a
+local checkpoint's shard files (``_shardread``); shards are encoded by ``_shardfile`` and
+stored as files or as values of those key-value stores (``_writers``). The commit is ``_commit``'s, and every operating-system call ``_os``'s.
 """
 
 from __future__ import annotations

@@ -1,23 +1,27 @@
-"""The two ways a box of an array is written, behind one interface (``BoxWriter``).
+"""How a box of an array is written, behind one interface (``BoxWriter``).
 
-A location says which writer it needs (``Location.box_writer``). A local directory's writer
-writes each box that is one whole shard as one shard file itself (``_shardfile``), on
-``io.threads`` threads: a chunk goes from the source's memory to the file, where TensorStore
-would copy it into a fresh buffer first, a large shard goes past the page cache
-(``io.direct_io``), and every other file's writeback starts as it is closed. Any other box, and
-every box on other stores (object stores, ``memory://``), is written by TensorStore, all writes in
-flight together. Both write the same bytes (``docs/format.md`` section 5.4).
+A location says which writer it needs (``Location.box_writer``). Every box that is one whole
+shard, as a save's plan makes them, is encoded by layoutckpt itself (``_shardfile``) on
+``io.threads`` threads. A local directory's writer writes it as a shard file: a chunk goes from
+the source's memory to the file, a large shard goes past the page cache (``io.direct_io``), and
+every file's writeback starts as it is closed. On any other store (object stores, ``memory://``,
+a packed checkpoint's database) the shard is one value of a TensorStore key-value store. A box
+that is part of a shard is written by TensorStore's zarr driver. All write the same bytes
+(``docs/format.md`` section 5.4).
 """
 
 from __future__ import annotations
 
 import abc
 import math
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import tensorstore as ts
 
 from ..base import _faults
 from ..base._metrics import InFlight
@@ -179,3 +183,83 @@ class ShardFileWriter(BoxWriter):
         # Unstarted shards are dropped; a thread may still be writing from a staged buffer.
         self._threads.close()
         self._files.close()
+
+
+class ShardObjectWriter(BoxWriter):
+    """A key-value store: a box that is one whole shard is encoded on one of ``io.threads``
+    threads and stored as one value; other boxes go to TensorStore. TensorStore's zarr driver
+    would open each array first (a cost that dominates saves of many small arrays) and copy
+    each chunk into a buffer of its own before assembling the shard; here the source goes back
+    once encoded, and at most ``io.budget_bytes`` of encoded shards wait for their store."""
+
+    def __init__(self, location: Any, io: IOConfig, in_flight: InFlight | None = None) -> None:
+        super().__init__(io, in_flight)
+        self.location = location
+        self._ctx = _store.context(io.concurrency, io.retries)
+        self._kv = ts.KvStore.open(location.kvstore(), context=self._ctx).result()
+        self._threads = Workers("layoutckpt-encode", io.threads)
+        self._others = TensorStoreWriter(location, io, self.in_flight)
+        self._lock = threading.Lock()
+        # (write, array bytes, encoded bytes, array path), oldest first
+        self._stores: deque[tuple[Any, int, int, str]] = deque()
+        self._waiting = 0  # encoded bytes whose store is under way
+
+    def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
+        cell = shard_cell(box, meta.shape, meta.shard_shape)
+        if cell is None:
+            self._others.write(meta, box, source)
+        else:
+            self._threads.submit(self._encode, meta, box, cell, source)
+
+    def _encode(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
+        try:
+            data = source.wait()
+            held = isinstance(data, np.ndarray)
+            nbytes = data.nbytes if held else box_nbytes(meta, box)
+            self.in_flight.start(nbytes)
+            value = _shardfile.shard_value(
+                meta, cell, data.dtype if held else numpy_dtype(meta.dtype), data, self.io.group_bytes
+            )
+        finally:
+            source.release()
+        self._store(f"{meta.path}/{meta.chunk_key(cell)}", value, nbytes, meta.path)
+        return nbytes
+
+    def _store(self, key: str, value: bytearray, nbytes: int, path: str) -> None:
+        """Put one encoded shard in flight (TensorStore copies the value); wait for the oldest
+        while the bytes under way exceed the budget."""
+        with self._lock:
+            self._stores.append((self._kv.write(key, value), nbytes, len(value), path))
+            self._waiting += len(value)
+            while self._waiting > self.io.budget_bytes and len(self._stores) > 1:
+                self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        write, nbytes, encoded, path = self._stores.popleft()
+        try:
+            write.result()
+        finally:
+            self._waiting -= encoded
+            self.in_flight.done(nbytes)
+        _faults.point("save.box_written", name=path)
+
+    def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
+        self._others.write_documents(items)
+
+    def join(self) -> int:
+        written = self._threads.join()
+        with self._lock:
+            while self._stores:
+                self._settle_oldest()
+        return written + self._others.join()
+
+    def close(self) -> None:
+        self._others.close()
+        self._threads.close()  # unstarted shards are dropped
+        with self._lock:
+            stores, self._stores = self._stores, deque()
+        for write, *_ in stores:
+            try:
+                write.result()
+            except Exception:  # noqa: BLE001 - join raises the first failure
+                pass
