@@ -32,6 +32,7 @@ from .base._errors import ManagerLockedError as ManagerLockedError
 from .base._errors import NewerFormatError as NewerFormatError
 from .base._errors import PersistError as PersistError
 from .base._errors import PersistWarning as PersistWarning
+from .base._errors import RankLostError as RankLostError
 from .base._errors import SaveError as SaveError
 from .base._errors import TemplateMismatchError as TemplateMismatchError
 from .base._errors import WorldSizeError as WorldSizeError

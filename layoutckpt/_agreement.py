@@ -21,8 +21,10 @@ def agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[li
     """Exchange success and ``words`` in one collective; if any rank failed, all raise.
 
     The failing rank re-raises its own error; the others raise one that names it, so no rank is
-    left waiting in a collective its peers have abandoned.
+    left waiting in a collective its peers have abandoned. A rank that left the world before it
+    reported is named too (``RankLostError``).
     """
+    comm = comm.during("before the save's ranks agreed on what to save (nothing was written)")
     hi, lo = comm.all_max_min([1 if error else 0, *words])
     if hi[0]:
         messages = comm.all_gather_bytes(f"{type(error).__name__}: {error}".encode() if error else b"")

@@ -2,7 +2,8 @@
 
 ``save`` and ``import_dcp`` both end here. The ranks agree on success (one all-reduce), rank 0
 commits (``Location.commit``: the root document last), and every rank learns the outcome; a
-rank that loses rank 0 after the ranks agreed looks at the destination instead.
+rank that loses rank 0 after the ranks agreed looks at the destination instead. A rank lost
+before that is named in the error of every rank still alive (``RankLostError``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from .base._errors import SaveError
 from .format._format import CheckpointMeta, root_document
 from .storage import _packs
 from .storage._location import Location
-from .torch._dist import Comm, StoreComm
+from .torch._dist import Comm, StoreComm, raise_named
 
 
 def commit_everywhere(
@@ -21,6 +22,7 @@ def commit_everywhere(
     """Commit only if every rank wrote all it had to; otherwise remove the partial data. Every
     writer of a checkpoint (``save``, ``import_dcp``) ends with it, so all commit alike."""
     _faults.point("save.agree", rank=comm.rank)
+    comm = comm.during("before the save's ranks agreed to commit it (nothing was committed)")
     try:
         (failed,) = comm.all_reduce([1 if failure else 0], "max")
     except BaseException:
@@ -48,11 +50,12 @@ def commit_everywhere(
             tmp.discard()
             status = f"{type(err).__name__}: {err}".encode()
     try:
-        status = comm.broadcast_bytes(status if comm.rank == 0 else None)
-    except Exception:
-        # Rank 0 knows its own outcome; another rank that cannot hear it looks at the path.
+        status = comm.unnamed().broadcast_bytes(status if comm.rank == 0 else None)
+    except Exception as err:  # noqa: BLE001 - re-raised, named, unless the save is in place
+        # Rank 0 knows its own outcome; another rank that cannot hear it looks at the path, and
+        # only where the save is not in place spends the seconds it takes to name the ranks lost.
         if comm.rank != 0 and not _committed_by_this_save(tmp, final, overwrite):
-            raise
+            raise_named(comm.during("before rank 0 told the others whether it committed the save"), err, "broadcast")
     comm.finish()
     if status:
         raise SaveError(f"committing {final.url!r} failed on rank 0: {status.decode()}")

@@ -401,7 +401,7 @@ def other_mode(args: argparse.Namespace) -> int:
         lines.append(
             f"  detected (every survivor ended on its own, as the commit says): {len(detected)} of {len(landed)}; "
             f"survivors ended: {dict(collections.Counter(t.survivor_error for t in landed))} (typed: SaveError "
-            f"naming the rank; peer: gloo's RuntimeError before staging); "
+            f"naming the rank; other: anything else, a violation); "
             f"slowest survivor {max(waits, default=0):.2f} s after the kill (limit {2 * args.save_timeout + args.slack:.1f} s)"
         )
     lines.append(

@@ -57,6 +57,23 @@ class SaveError(RuntimeError):
     """Writing a checkpoint failed on at least one rank; nothing was committed."""
 
 
+class RankLostError(SaveError):
+    """A rank left the world (died, or lost touch with the others) in the middle of a collective.
+
+    The message names the rank and ``ranks`` lists them (group ranks; empty when the job's
+    key-value store went with them and no rank can be named). In a save nothing was committed;
+    a load or a manager's start raises it too, as the ``RuntimeError`` it is, in place of the
+    backend's error (kept as ``__cause__``), which names only a network address.
+    """
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+    def __reduce__(self) -> tuple[type[RankLostError], tuple[str, list[int]]]:
+        return type(self), (str(self), self.ranks)
+
+
 class IntegrityError(ValueError):
     """Stored bytes fail their checksum: the array named in the message is damaged on storage."""
 

@@ -4,20 +4,29 @@ Every rank plans alone; the collectives only check that the ranks agree (a diges
 dtypes, the sums and extremes of local shapes), share the temporary directory's name, and
 agree on success before the commit. Each returns only once gloo's worker threads hold none of
 its tensors (``_let_go``), so a process may end right after one.
+
+A collective that fails because a rank left the world raises ``RankLostError`` naming that rank,
+where the backend's own error names only a network address: the ranks still alive answer a roll
+call in the job's key-value store (``_roll_call``), and the ones that do not answer are named.
+That costs nothing while every collective succeeds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
+import os
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
 
 import attrs
 
-from ..base._errors import SaveError, WorldSizeError
+from ..base._errors import RankLostError, SaveError, WorldSizeError
 from ..layout._spec import Mesh
 from ._torch import dist, distributed, torch
 
@@ -29,12 +38,36 @@ LET_GO_SECONDS = 2.0
 # The first byte of a published exchange: the combined data follows, or a failure naming a rank.
 _DONE, _FAILED = b"+", b"!"
 
+# How long a rank whose collective failed waits for the others to answer the roll call. Ranks
+# blocked in the same collective learn of a lost peer within milliseconds of each other and
+# answer at once; only a rank that is gone (or stuck elsewhere) makes the call last this long.
+ROLL_CALL_SECONDS = 3.0
+
+# Roll calls this process took part in, by process group: the ranks of a group fail their
+# collectives in the same order, so the n-th roll call of each rank is the same one. Weak, so
+# that a group made anew (a new world in this process) starts again from the first.
+_ROLL_CALLS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_ROLL_CALLS_LOCK = threading.Lock()
+
 
 @attrs.frozen
 class Comm:
     rank: int
     world: int
     group: Any = None
+    # Whether a failed collective holds a roll call to name the ranks lost (``lost``), or
+    # raises the backend's error as it is (for a caller that needs no names: ``unnamed``).
+    roll_call: bool = True
+    # When a rank that leaves is said to have left, in the error that names it (``during``).
+    when: str = "in the middle of a collective"
+
+    def during(self, when: str) -> Comm:
+        """This comm, whose errors say that a lost rank left the world ``when``."""
+        return attrs.evolve(self, when=when)
+
+    def unnamed(self) -> Comm:
+        """This comm, whose failed collectives raise the backend's error at once."""
+        return attrs.evolve(self, roll_call=False)
 
     @property
     def global_ranks(self) -> list[int]:
@@ -54,7 +87,8 @@ class Comm:
         if self.world == 1:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group)
+        with self._collective("all_reduce"):
+            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.group)
         self._let_go(t)
         return t.tolist()
 
@@ -69,7 +103,8 @@ class Comm:
             assert data is not None
             return data
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, group=self.group, group_src=0)
+        with self._collective("broadcast"):
+            dist.broadcast(size, group=self.group, group_src=0)
         self._let_go(size)
         if int(size.item()) == 0:
             return b""
@@ -77,7 +112,8 @@ class Comm:
         if self.rank == 0:
             assert data is not None
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        dist.broadcast(buf, group=self.group, group_src=0)
+        with self._collective("broadcast"):
+            dist.broadcast(buf, group=self.group, group_src=0)
         self._let_go(buf)
         return bytes(buf.cpu().numpy().tobytes())
 
@@ -86,21 +122,24 @@ class Comm:
             return [data]
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
         length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        dist.all_gather(sizes, length, group=self.group)
+        with self._collective("all_gather"):
+            dist.all_gather(sizes, length, group=self.group)
         self._let_go(length, *sizes)
         longest = max(1, max(int(s.item()) for s in sizes))
         mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         if data:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         bufs = [torch.zeros(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
-        dist.all_gather(bufs, mine, group=self.group)
+        with self._collective("all_gather"):
+            dist.all_gather(bufs, mine, group=self.group)
         self._let_go(mine, *bufs)
         return [bytes(b.cpu().numpy()[: int(s.item())].tobytes()) for b, s in zip(bufs, sizes)]
 
     def all_reduce_tensor(self, t: torch.Tensor) -> None:
         """Sum ``t`` over the group, in place."""
         if self.world > 1:
-            dist.all_reduce(t, group=self.group)
+            with self._collective("all_reduce"):
+                dist.all_reduce(t, group=self.group)
             self._let_go(t)
 
     def broadcast_many(self, sources: Sequence[int], data: bytes | None) -> list[bytes]:
@@ -117,7 +156,8 @@ class Comm:
             buf = torch.zeros(n, dtype=torch.uint8, device=self.device)
             if self.rank == src:
                 buf.copy_(torch.frombuffer(bytearray(data or b""), dtype=torch.uint8))
-            dist.broadcast(buf, group=self.group, group_src=src)
+            with self._collective("broadcast"):
+                dist.broadcast(buf, group=self.group, group_src=src)
             self._let_go(buf)
             out.append(bytes(buf.cpu().numpy().tobytes()))
         return out
@@ -141,10 +181,77 @@ class Comm:
             return
         ops = [dist.P2POp(dist.isend, _as_bytes(t), self._global(to), self.group, tag) for to, tag, t in sends]
         ops += [dist.P2POp(dist.irecv, _as_bytes(t), self._global(src), self.group, tag) for src, tag, t in recvs]
-        works = dist.batch_isend_irecv(ops)
-        while works:
-            works.pop().wait()
+        with self._collective("exchange"):
+            works = dist.batch_isend_irecv(ops)
+            while works:
+                works.pop().wait()
         self._let_go(*(op.tensor for op in ops))
+
+    @contextlib.contextmanager
+    def _collective(self, name: str) -> Iterator[None]:
+        """Run collective ``name``; should the backend fail it, raise what ``lost`` makes of that."""
+        try:
+            yield
+        except RuntimeError as err:
+            if not self.roll_call or isinstance(err, (SaveError, torch.OutOfMemoryError)):
+                raise  # named already (an inner collective), this rank's own, or no names wanted
+            raise_named(self, err, name)
+
+    def lost(self, err: BaseException, name: str) -> BaseException:
+        """What to raise for ``err``, the backend's failure of collective ``name``: a
+        ``RankLostError`` naming the ranks that do not answer a roll call in the job's
+        key-value store within ``ROLL_CALL_SECONDS``, or ``err`` itself where every rank
+        answers (then the collective failed for another reason, alike everywhere)."""
+        if self.world == 1 or not distributed():
+            return err
+        store = dist.distributed_c10d._get_default_store()
+        try:
+            missing = _roll_call(store, self._roll_prefix(), self.rank, self.world, ROLL_CALL_SECONDS)
+        except Exception as gone:  # noqa: BLE001 - the store went with its host
+            return self._store_lost(err, name, store, gone)
+        if not missing:
+            return err
+        who = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
+        return RankLostError(
+            f"{who}{self._globally(missing)} left the world {self.when}: the {name} of rank {self.rank} "
+            f"over the process group failed ({_brief(err)}), and {who} did not answer a roll call in the job's "
+            f"key-value store within {ROLL_CALL_SECONDS:g} s, so {'it has' if len(missing) == 1 else 'they have'} "
+            f"died, or hangs apart from the others. {_RESTART}",
+            missing,
+        )
+
+    def _store_lost(self, err: BaseException, name: str, store: Any, gone: BaseException) -> RankLostError:
+        """The error for a failed collective when the job's store is unreachable too: rank 0
+        is named when it hosts the store, which a rank that ends takes with it."""
+        why = (
+            f"the {name} of rank {self.rank} over the process group failed ({_brief(err)}), and the job's "
+            f"key-value store is unreachable ({_brief(gone)})"
+        )
+        host = self.global_ranks.index(0) if _rank0_hosts(store) and 0 in self.global_ranks else None
+        if host is None or host == self.rank:
+            return RankLostError(
+                f"a rank left the world {self.when}, and which one cannot be learnt: {why}. {_RESTART}", []
+            )
+        return RankLostError(
+            f"rank {host}{self._globally([host])} (which hosts the job's key-value store) left the world "
+            f"{self.when}: {why}. {_RESTART}",
+            [host],
+        )
+
+    def _roll_prefix(self) -> str:
+        """The store keys of this group's next roll call, the same on every rank of it."""
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        with _ROLL_CALLS_LOCK:
+            n = _ROLL_CALLS[group] = _ROLL_CALLS.get(group, 0) + 1
+        name = getattr(group, "group_name", "") or ",".join(map(str, self.global_ranks))
+        return f"layoutckpt/roll-call/{name}/{n}"
+
+    def _globally(self, ranks: list[int]) -> str:
+        """`` (global rank ...)`` where the group's ranks are not the job's, else nothing."""
+        everyone = self.global_ranks
+        if everyone == list(range(len(everyone))):
+            return ""
+        return " (global " + ", ".join(str(everyone[r]) for r in ranks) + ")"
 
     def _let_go(self, *tensors: torch.Tensor) -> None:
         """Return once no thread but this one holds ``tensors``, the tensors of a finished collective.
@@ -166,6 +273,54 @@ class Comm:
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+_RESTART = (
+    "Restart the job on every rank from the last committed checkpoint; a save interrupted so commits "
+    "nothing, and leaves the checkpoints committed before it intact"
+)
+
+
+def raise_named(comm: Comm | StoreComm, err: BaseException, name: str) -> NoReturn:
+    """Raise ``comm``'s error for ``err``, the failure of its collective ``name``: the ranks lost
+    named where ``comm`` can learn them, with ``err`` as the cause; else ``err`` as it is."""
+    named = comm.lost(err, name)
+    if named is err:
+        raise err
+    raise named from err
+
+
+def _roll_call(store: Any, prefix: str, rank: int, world: int, seconds: float) -> list[int]:
+    """Answer the roll call under ``prefix`` and wait up to ``seconds`` for the other ranks to
+    answer; the ranks that do not. One store operation per poll while waiting (all keys at
+    once), then one per rank, once, to learn which are missing; any store error propagates."""
+    store.set(f"{prefix}/{rank}", b"")
+    others = {r: f"{prefix}/{r}" for r in range(world) if r != rank}
+    deadline = time.monotonic() + seconds
+    pause = 0.005
+    while not store.check(list(others.values())):
+        if time.monotonic() >= deadline:
+            return [r for r, key in others.items() if not store.check([key])]
+        time.sleep(pause)
+        pause = min(0.1, 2 * pause)
+    return []
+
+
+def _rank0_hosts(store: Any) -> bool:
+    """Whether the job's store lives in global rank 0's process: a ``TCPStore`` made by
+    ``init_process_group`` (``tcp://``, ``env://``), unless torchrun's agent hosts it."""
+    while hasattr(store, "underlying_store"):  # PrefixStores, one per layer of keys
+        store = store.underlying_store
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return isinstance(store, dist.TCPStore) and not agent
+
+
+def _brief(err: BaseException) -> str:
+    """``Type: first line`` of ``err``, without the source location gloo puts first."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return f"{type(err).__name__}: {text.split('. ', 1)[0]}"
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -276,6 +431,17 @@ class StoreComm:
             return json.dumps([p.hex() for p in parts]).encode()
 
         return [bytes.fromhex(h) for h in json.loads(self._exchange(data, combine))]
+
+    def during(self, when: str) -> StoreComm:
+        """Itself: its errors name the ranks that did not report already."""
+        return self
+
+    def unnamed(self) -> StoreComm:
+        return self
+
+    def lost(self, err: BaseException, name: str) -> BaseException:
+        """``err`` itself: a failed exchange names the missing ranks already."""
+        return err
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's ``data`` on every rank; rank 0 waits for nobody here (``finish`` waits)."""

@@ -661,25 +661,39 @@ def restart_in_process(root: Path, expected: list[int], *, keep_last: int | None
     return problems
 
 
+def _save_errors() -> set[str]:
+    """The names of ``lc.SaveError`` and its subclasses, as a worker prints them."""
+    found, todo = set(), [lc.SaveError]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return found
+
+
 def survivor_error(job: JobResult, rank: int, killed: int) -> str:
-    """How surviving ``rank`` ended: ``"committed"``, ``"typed"`` (a ``SaveError`` naming rank
-    ``killed``), ``"peer"`` (gloo's error for a connection lost before staging, naming only the
-    peer's address), ``"other"``, or ``"none"`` (it printed neither)."""
+    """How surviving ``rank`` ended: ``"committed"``, ``"typed"`` (a ``SaveError``, or a subclass,
+    naming rank ``killed``), ``"other"`` (any other error, such as gloo's, which names only the
+    peer's address), or ``"none"`` (it printed neither)."""
     if job.committed_on(rank):
         return "committed"
     text = job.failures[rank].strip("'\"")  # the worker prints the repr of "Type: message"
     if not text:
         return "none"
-    if text.startswith("SaveError") and f"rank {killed}" in text:
-        return "typed"
-    return "peer" if "by peer" in text else "other"
+    kind = text.split(":", 1)[0]
+    return "typed" if kind in _save_errors() and re.search(rf"\brank {killed}\b", text) else "other"
+
+
+def survivor_cause(job: JobResult, rank: int) -> str:
+    """The ``__cause__`` of the error ``rank`` failed with, as ``Type: message`` ("None": none)."""
+    words = job.values.get(rank, {}).get("CAUSE", ["None"])
+    return " ".join(words).strip("'\"")
 
 
 def survivor_problems(job: JobResult, killed: int, committed: bool, limit: float) -> list[str]:
     """Problems with what the ranks that were not killed reported: each must end on its own
     within ``limit`` seconds of the kill, with success where the step is committed, else with a
-    typed error (``SaveError``) naming rank ``killed``, or, before the ranks have staged, the
-    gloo error of the lost connection ("by peer"), which names only the peer's address."""
+    typed error (``SaveError``) naming rank ``killed``."""
     problems = []
     if job.torn_down or job.timed_out:
         problems.append(f"ranks {job.torn_down} hung and were torn down")
@@ -690,7 +704,7 @@ def survivor_problems(job: JobResult, killed: int, committed: bool, limit: float
             problems.append(f"rank {r} reported {job.failures[r]!r} for a committed step")
         if not committed and job.committed_on(r):
             problems.append(f"rank {r} reported success, but the step is not committed")
-        if not committed and survivor_error(job, r, killed) == "other":
+        if not committed and survivor_error(job, r, killed) != "typed":
             problems.append(f"rank {r}'s error is no SaveError naming rank {killed}: {job.failures[r]!r}")
         ended = job.events[r].get("FAILED", job.events[r].get("COMMITTED"))
         if job.kill_time is not None and ended is not None and ended - job.kill_time > limit:

@@ -12,7 +12,8 @@ columns, an uneven 1-D split) or replicated.
 The worker prints, on stdout, one line per event, stamped ``@<time.monotonic()>``:
 ``SAVING S`` right before ``mgr.save``; ``PHASE <name>`` the first time this rank reaches a phase of
 the save (``stage``, ``write``, ``agree``, and on rank 0 ``marker``, ``rename``, ``renamed``,
-``retire``); ``STAGED S`` when ``mgr.save`` returned; ``COMMITTED S`` after ``mgr.wait()``.
+``retire``); ``STAGED S`` when ``mgr.save`` returned; ``COMMITTED S`` after ``mgr.wait()``; on a
+failure ``FAILED`` with the error, then ``CAUSE`` with its ``__cause__`` (or ``None``).
 
 Phase kills (only in the process of ``--kill-rank``) are hooks on the library's fault points
 (``layoutckpt/base/_faults.py``), installed for the life of the process:
@@ -31,6 +32,12 @@ after-marker    the marker is in the tmp dir, not yet     the ranks agreed (``sa
                 renamed (``commit.publish``)              rank 0 has written the marker
 after-rename    the tmp dir was renamed into place        rank 0 broadcast the commit's status
                 (``commit.published``)                    (``save.committed``)
+before-plan     right after ``SAVING``, before the save   same
+                call: the others agree on the plan
+                without it
+at-agree        its writes are done and durable, before   same
+                the ranks agree to commit
+                (``save.agree``)
 ==============  ========================================  =========================================
 
 ``python tests/support/crash_worker.py --serve`` is a fork server for the same workers: it imports torch
@@ -44,7 +51,10 @@ Other modes (``--mode``), each of one process unless said otherwise, for kills t
 
 - ``save`` / ``save_async``: ``lc.save`` (or ``lc.save_async(...).result()``) of the step into
   ``ROOT/step_%08d`` without a manager, in a world of one (``--init none``: no
-  ``torch.distributed``); events ``SAVING``, ``STAGED`` (async), ``COMMITTED``.
+  ``torch.distributed``) or of ``--world`` ranks; events ``SAVING``, ``STAGED`` (async), ``COMMITTED``.
+
+``--sync`` makes the manager of ``--mode manager`` save synchronously (``async_save=False``): the
+ranks then agree to commit over the process group, as ``lc.save`` does, instead of the store.
 - ``retain``: a ``CheckpointManager(ROOT, keep_last=K)`` over a root of many committed steps
   saves one more (``build_many``: ``--arrays`` small arrays, so that each step is many files)
   synchronously, and waits for the retention that deletes the old ones: ``RETAINING``, then
@@ -56,7 +66,7 @@ Every mode ends with ``PEAK <kB>`` (the process's peak resident size) on success
 
 Expected outcomes: the step is committed only for ``after-rename`` on any rank and for
 ``after-marker`` on a rank other than 0 (rank 0 needs nobody once the ranks agreed); every other
-kill leaves it invisible. ``expected_outcome`` says so for the harness.
+kill (``before-plan`` and ``at-agree`` included) leaves it invisible. ``expected_outcome`` says so for the harness.
 """
 
 from __future__ import annotations
@@ -71,7 +81,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-PHASES = ("stage", "write", "before-marker", "after-marker", "after-rename")
+PHASES = ("stage", "write", "before-marker", "after-marker", "after-rename", "before-plan", "at-agree")
 KEEP_LAST = 2
 
 
@@ -210,6 +220,14 @@ def _wait_for_marker(staging: str, final: str) -> None:
 
 
 _INSTALLED = contextlib.ExitStack()  # the hooks stay for the life of the process
+_KILL_AT: list[str] = []  # the phase this process dies at, for the kills outside the library
+
+
+def saving(step: int) -> None:
+    """Print ``SAVING``; the process of a ``before-plan`` kill dies right after."""
+    event("SAVING", step)
+    if _KILL_AT == ["before-plan"]:
+        die()
 
 
 def install_hooks(rank: int, kill_at: str | None, kill_rank: int) -> None:
@@ -217,6 +235,7 @@ def install_hooks(rank: int, kill_at: str | None, kill_rank: int) -> None:
     from layoutckpt.base import _faults
 
     kill = kill_at if rank == kill_rank else None
+    _KILL_AT[:] = [kill] if kill else []
     counts = {"buffers": 0, "boxes": 0}
     lock = threading.Lock()
 
@@ -237,7 +256,7 @@ def install_hooks(rank: int, kill_at: str | None, kill_rank: int) -> None:
 
     def agree(**_: Any) -> None:
         trace("agree")
-        if rank != 0 and kill == "before-marker":
+        if (rank != 0 and kill == "before-marker") or kill == "at-agree":
             die()
 
     def agreed(staging: str, final: str, **_: Any) -> None:
@@ -298,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-last", type=int, default=KEEP_LAST, help="retention of --mode retain")
     ap.add_argument("--arrays", type=int, default=32, help="arrays of the state of --mode retain")
     ap.add_argument("--packing", choices=("auto", "files", "ocdbt"), default="auto", help="save's packing=")
+    ap.add_argument("--sync", action="store_true", help="the manager saves synchronously (async_save=False)")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -316,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         MODES[args.mode](args, lc)
     except Exception as err:
         event("FAILED", repr(f"{type(err).__name__}: {err}"))
+        cause = err.__cause__
+        event("CAUSE", repr(f"{type(cause).__name__}: {cause}") if cause is not None else "None")
         event("PEAK", _peak_kb())
         raise
     event("PEAK", _peak_kb())
@@ -327,10 +349,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _save_one_step(args: argparse.Namespace, lc: Any) -> None:
     options = {} if args.timeout is None else {"timeout": args.timeout}
-    mgr = lc.CheckpointManager(args.root, keep_last=KEEP_LAST, packing=args.packing, **options)
+    mgr = lc.CheckpointManager(
+        args.root, keep_last=KEEP_LAST, packing=args.packing, async_save=not args.sync, **options
+    )
     state = build_state(args.step, args.world, args.rank, args.mb)
     layout = layout_for(args.world)
-    event("SAVING", args.step)
+    saving(args.step)
     mgr.save(
         args.step,
         state,
@@ -365,7 +389,7 @@ def _plain_save(args: argparse.Namespace, lc: Any, *, asynchronous: bool) -> Non
     )
     if args.timeout is not None:
         options["timeout"] = args.timeout
-    event("SAVING", args.step)
+    saving(args.step)
     if asynchronous:
         fut = lc.save_async(path, state, layout_for(args.world), **options)
         event("STAGED", args.step)
