@@ -45,7 +45,7 @@ from .base._errors import FormatError, InvalidNameError
 from .base._options import DEFAULT_IO, IOConfig
 from .format import _hierarchy as hierarchy
 from .format._dtypes import ZARR_TO_NUMPY, numpy_dtype
-from .format._format import CheckpointMeta
+from .format._format import CheckpointMeta, new_save_id
 from .format._shard import grid_cells
 from .layout import _plan
 from .layout._layout import Layout
@@ -659,10 +659,13 @@ def import_dcp(
 def _convert(
     src: Path, final: Location, meta: CheckpointMeta, tensors: list[_Tensor], overwrite: bool, io: IOConfig, group: Any
 ) -> None:
-    """Every rank writes its share into one staging folder; rank 0 commits once all have."""
+    """Every rank writes its share into one staging folder; rank 0 commits once all have. The
+    shards are bound to rank 0's fresh save id, as a save's are."""
     comm = comm_for(group)
-    token = int(comm.broadcast_bytes(str(new_token()).encode() if comm.rank == 0 else None))
-    staging = final.staging(token)
+    ids = comm.broadcast_bytes(f"{new_token()} {new_save_id()}".encode() if comm.rank == 0 else None).decode()
+    token, save_id = ids.split()
+    meta = meta.bound(save_id)
+    staging = final.staging(int(token))
     failure = b""
     try:
         _write_share(src, staging, meta, share(tensors, comm.rank, comm.world), io)

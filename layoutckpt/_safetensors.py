@@ -26,7 +26,7 @@ from .base._options import DEFAULT_IO
 from .engine._read import BoxRead
 from .format import _hierarchy as hierarchy
 from .format._dtypes import numpy_dtype
-from .format._format import ArrayMeta, CheckpointMeta, root_document
+from .format._format import ArrayMeta, CheckpointMeta, new_save_id, root_document
 from .format._safetensors_format import (
     ZARR_TO_SAFETENSORS,
     SafetensorsHeader,
@@ -375,7 +375,8 @@ def import_safetensors(
     }
     check_no_prefix_clash(list(arrays))
     tree = {"dict": [[name, {"array": name}] for name in arrays]}
-    meta = importing.checkpoint_meta(arrays, tree, layout, step, metadata)
+    # Bound to a fresh id, as a save's shards are: a shard moved or copied in later is refused.
+    meta = importing.checkpoint_meta(arrays, tree, layout, step, metadata).bound(new_save_id())
     final = importing.local_destination(path, overwrite, "import_safetensors")
     _write_checkpoint(final, meta, tensors, overwrite)
 

@@ -173,11 +173,11 @@ def start(
     # Under stage axes, the one exchange along them: every rank learns every array.
     checked = _with_views(comm, checked, layout)
     # 2. Agree on the state, and plan (or reuse the plan of an earlier save of the same state).
-    planned, token = _agree_on_plan(comm, final, checked, layout, options)
+    planned, token, save_id = _agree_on_plan(comm, final, checked, layout, options)
     # 3. The token also keys the commit's store exchanges, so they never mix with another save's.
     # Copies that must agree are checked (or averaged) now: their values change from save to save.
     checked = attrs.evolve(checked, arrays=reconcile(comm, checked.arrays, checked.shardings, checked.holders, layout))
-    job, sources = _job(comm, final, layout, options, checked, planned, token, copy, t0)
+    job, sources = _job(comm, final, layout, options, checked, planned, (token, save_id), copy, t0)
     job.phases.since("plan", t0)
     items = [Staged(source) for source in sources]
     writer_comm = comm if not copy else background_comm(comm, f"save-{token:012x}", options.timeout)
@@ -314,10 +314,10 @@ def _stage_plan(checked: _Checked, layout: Layout | None) -> Any:
 
 def _agree_on_plan(
     comm: Comm, final: Location, checked: _Checked, layout: Layout | None, options: SaveOptions
-) -> tuple[_Planned, int]:
+) -> tuple[_Planned, int, str]:
     """Check in one collective that every rank passed the same state to the same place with the
     same options, and plan the save unless every rank holds the plan of one earlier save of it;
-    the plan and the save's token."""
+    the plan, the save's token and its id (``CheckpointMeta.save_id``)."""
     arrays, flats, mesh = checked.arrays, checked.flats, checked.mesh
     # The mesh is part of each spec: ranks that order or size the mesh axes differently would
     # place their shards at different boxes.
@@ -342,23 +342,25 @@ def _agree_on_plan(
     cached = _PLANS.get(key)
     call = call_of(final, options)
     words = [*digest(agreed), sum(len(a.shape) for a in arrays), *digest(sorted(call.items()))]
-    # Two more words ride on this collective: the save that made each rank's cached plan (-1
-    # for none), and rank 0's random token, which names the temporary directory.
-    token_word = new_token() if comm.rank == 0 else 0
-    hi, lo = agree(comm, checked.error, [*words, cached.token if cached else -1, token_word])
+    # Three more words ride on this collective: the save that made each rank's cached plan (-1
+    # for none), and rank 0's two random words: the token, which names the temporary directory,
+    # and the rest of the save's id, which every shard's binding block names (96 random bits).
+    rank0 = comm.rank == 0
+    id_words = [new_token() if rank0 else 0, new_token() if rank0 else 0]
+    hi, lo = agree(comm, checked.error, [*words, cached.token if cached else -1, *id_words])
     if hi[: len(words) - 2] != lo[: len(words) - 2]:
         raise InconsistentShardsError(describe_disagreement(comm, signature))
     if hi[len(words) - 2 : len(words)] != lo[len(words) - 2 : len(words)]:
         raise InconsistentShardsError(describe_call_disagreement(comm, call))
-    token = hi[-1]
-    if cached is None or hi[-2] != lo[-2]:
+    token, save_id = hi[-2], f"{hi[-2]:012x}{hi[-1]:012x}"
+    if cached is None or hi[-3] != lo[-3]:
         cached = _plan_globally(comm, what, token)
     # The tree lives as long as the save. The last save's, where equal, is already old to the
     # garbage collector; a new one (two containers per node) would be promoted with every save.
     if cached.tree != checked.structure:
         cached = attrs.evolve(cached, tree=checked.structure)
     _remember(key, cached)
-    return cached, token
+    return cached, token, save_id
 
 
 def _job(
@@ -368,11 +370,14 @@ def _job(
     options: SaveOptions,
     checked: _Checked,
     planned: _Planned,
-    token: int,
+    ids: tuple[int, str],
     copy: bool,
     started: float,
 ) -> tuple[_Job, list[Any]]:
-    """What the write and the commit need, and the sources of this rank's boxes in their order."""
+    """What the write and the commit need, and the sources of this rank's boxes in their order.
+    ``ids`` are the save's token and id: every shard is bound to the id (the cached plan's array
+    documents are another save's, so they are bound afresh)."""
+    token, save_id = ids
     meta = CheckpointMeta(
         arrays=dict(planned.metas),
         tree=planned.tree,
@@ -384,7 +389,7 @@ def _job(
         rank_state_world=comm.world if checked.rank_doc is not None else None,
         all_chunks_stored=True,
         packing=_packs.choose(options.packing, planned.metas.values()),
-    )
+    ).bound(save_id)
     mine = [(checked.arrays[i].name, box) for i, box, _ in planned.regular]
     sources = [_part(source_of(checked.arrays[i]), where) for i, _, where in planned.regular]
     # Boundary fragments travel now, on the caller's thread: the process group is free, and

@@ -7,8 +7,9 @@ plain layout, one object per shard and document. The two hold the same keys with
 so unpacking is a copy of every key of the database to an object of its own: nothing is decoded,
 and the crc32c checksums inside the shards keep matching. The per-rank documents are plain
 objects in both and are copied as they are; the root document is the source's metadata with
-``packing="files"``, written last by the destination's commit, as a save's is: until then the
-destination is no checkpoint (``Location.commit``), and a failure removes what was written.
+``packing="files"`` (its ``save_id`` kept: the copied shards stay bound to it, and to their arrays
+and cells, which are the same), written last by the destination's commit, as a save's is: until
+then the destination is no checkpoint (``Location.commit``), and a failure removes what was written.
 
 The copy runs in batches of about ``BATCH_BYTES``: one batch is read while the one before is
 written, each with many requests in flight, so memory stays within a few batches whatever the

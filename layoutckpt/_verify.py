@@ -7,7 +7,8 @@ array its own ``zarr.json``, which must agree with the root document (plain zarr
 that one). Then, for each array, every shard file its grid needs is stored (in checkpoints marked ``all_chunks_stored``;
 older ones could leave out all-zero shards, which read as zeros); and every shard, read through
 the read engine, passes the crc32c checks of its index and inner chunks (``DATA_LOSS``) with no inner
-chunk missing (``NOT_FOUND``). Then every per-rank document must parse and be its rank's. A damaged
+chunk missing (``NOT_FOUND``), and, where the checkpoint binds its shards (``save_id``), holds the
+binding block of its own save, array and cell: a shard moved or copied in is reported. Then every per-rank document must parse and be its rank's. A damaged
 array does not stop the others from being checked. Documents are read as regular files inside
 the checkpoint only, of bounded size (``Location.read``).
 
@@ -160,7 +161,8 @@ def _reads(rd: Reader, name: str, present: set[str]) -> Iterator[BoxRead]:
 # Damage the shard reader names by more than a checksum (``_shardread``).
 _OTHER_DAMAGE = re.compile(
     r"(is not a regular file inside the checkpoint|declares \S+ decoded bytes, not \d+|fails to decode"
-    r"|the index of shard \S+ is invalid: [^;()]*|lies outside its file|too short for its index)"
+    r"|the index of shard \S+ is invalid: [^;()]*|lies outside its file|too short for its index"
+    r"|belongs to another place: [^;()]*[^;()\s])"
 )
 
 

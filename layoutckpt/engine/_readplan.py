@@ -30,7 +30,7 @@ from ..base._errors import LayoutError
 from ..base._options import DEFAULT_IO, IOConfig
 from ..format._dtypes import numpy_dtype
 from ..format._format import ArrayMeta, CheckpointMeta
-from ..format._shard import CRC_BYTES, INDEX_ENTRY_BYTES
+from ..format._shard import BINDING_BYTES, CRC_BYTES, INDEX_ENTRY_BYTES
 from ..layout._layout import Layout
 from ..layout._plan import Box, box_size, chunks_touched, row_pieces, shard_box
 from ..layout._spec import P, check_spec
@@ -116,10 +116,16 @@ def read_pieces(a: ArrayMeta, box: Box, io: IOConfig = DEFAULT_IO) -> list[Box]:
     return row_pieces(box, rows, numpy_dtype(a.dtype).itemsize, io.piece_bytes)
 
 
-# Cached: the replicas of a piece read the same boxes, so a plan for many ranks repeats them.
-@functools.lru_cache(maxsize=4096)
 def box_read(name: str, a: ArrayMeta, box: Box) -> BoxRead:
     """What reading ``box`` of array ``a`` (stored as ``name``) fetches."""
+    # Whether the shards are bound is part of the key: array documents compare equal without it.
+    return _box_read(name, a, box, a.bound_to is not None)
+
+
+# Cached: the replicas of a piece read the same boxes, so a plan for many ranks repeats them.
+@functools.lru_cache(maxsize=4096)
+def _box_read(name: str, a: ArrayMeta, box: Box, bound: bool) -> BoxRead:
+    """``box_read``; a bound array's reads fetch each shard's binding block with its index."""
     itemsize = numpy_dtype(a.dtype).itemsize
     per_shard = math.prod(s // c for s, c in zip(a.shard_shape, a.inner_chunk_shape))
     # The inner grid starts at every shard's corner and the inner chunk divides the shard, so
@@ -133,7 +139,8 @@ def box_read(name: str, a: ArrayMeta, box: Box) -> BoxRead:
         shards=shards,
         bytes_needed=itemsize * box_size(box),
         bytes_read=chunks * itemsize * math.prod(a.inner_chunk_shape),
-        overhead_bytes=chunks * CRC_BYTES + shards * (INDEX_ENTRY_BYTES * per_shard + CRC_BYTES),
+        overhead_bytes=chunks * CRC_BYTES
+        + shards * (INDEX_ENTRY_BYTES * per_shard + CRC_BYTES + (BINDING_BYTES if bound else 0)),
         compressed=a.compression is not None,
     )
 

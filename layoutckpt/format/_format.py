@@ -11,6 +11,8 @@ import functools
 import hashlib
 import json
 import math
+import re
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +29,9 @@ from ._shard import COMPRESSIONS, compression_json
 # every box (row blocks of flat parameters split by tensor parallelism; replica-parallel writes).
 # Older readers would call such a checkpoint corrupt; the version makes them say "newer format".
 # 5: packed checkpoints (``packing``: the arrays' objects in one OCDBT database, section 3.1).
-FORMAT_VERSION = 5
+# 6: bound shards (``save_id``: each shard carries a binding block naming its save, array and
+# cell, section 5.4); older readers would read a moved or copied shard as good.
+FORMAT_VERSION = 6
 # How the arrays' objects are stored: ``files`` (one object per shard and document, what plain
 # zarr reads) or ``ocdbt`` (TensorStore's OCDBT key-value store, a few data files per rank).
 PACKINGS = ("files", "ocdbt")
@@ -36,6 +40,9 @@ KINDS = ("torch", "numpy", "numpy_scalar")
 # The root document's checksum member (format version 3 on): the SHA-256 of the rest of the
 # ``layoutckpt`` object in its canonical form (``canonical_json``).
 CHECKSUM_KEY = "sha256"
+# The root document's save id (format version 6 on): what every shard's binding block names.
+SAVE_ID_KEY = "save_id"
+_SAVE_ID = re.compile(r"[0-9a-f]{12,32}")
 
 # What a reader accepts before it reads any data (docs/format.md section 8): each bounds the
 # memory or work that a crafted root document could make a reader spend. Real checkpoints stay
@@ -85,6 +92,10 @@ class ArrayMeta:
     # What joins the parts of a shard's chunk key: ``c.0.1`` since format version 2, ``c/0/1``
     # in version 1. Not stored per array: the checkpoint's format version says which.
     separator: str = "."
+    # The save id its shards are bound to (their binding blocks, section 5.4), or None for
+    # unbound shards. Not stored per array: the checkpoint's ``save_id`` says which. Left out of
+    # equality, so that two saves' documents of one array compare (and plan) alike.
+    bound_to: str | None = attrs.field(default=None, eq=False)
 
     def chunk_key(self, cell: Sequence[int]) -> str:
         """The key of the shard at grid ``cell``, under the array's path: ``c.0.1``; ``c`` if 0-d."""
@@ -110,7 +121,7 @@ class ArrayMeta:
         }
 
     @classmethod
-    def from_dict(cls, name: str, d: Any, *, separator: str = ".") -> ArrayMeta:
+    def from_dict(cls, name: str, d: Any, *, separator: str = ".", bound_to: str | None = None) -> ArrayMeta:
         if not isinstance(d, Mapping):
             raise FormatError(f"array {name!r}: metadata must be an object, got {d!r}")
         try:
@@ -125,6 +136,7 @@ class ArrayMeta:
                 compression=d.get("compression"),
                 mesh=Mesh.from_json(d["mesh"]) if d.get("mesh") is not None else None,
                 separator=separator,
+                bound_to=bound_to,
             )
         except FormatError:
             raise
@@ -268,10 +280,21 @@ class CheckpointMeta:
     # of the first releases omitted all-zero chunks and lack the member.
     all_chunks_stored: bool = False
     packing: str = "files"
+    # The id of the save that wrote the shards (12 to 32 lowercase hex digits), which each
+    # shard's binding block names (format version 6 on); None: the shards are not bound.
+    save_id: str | None = None
 
     @property
     def packed(self) -> bool:
         return self.packing != "files"
+
+    def bound(self, save_id: str | None) -> CheckpointMeta:
+        """This metadata for the save ``save_id``: every array's shards bound to it (None:
+        unbound), so that the writers add the binding blocks the root document promises."""
+        if save_id is not None and not _SAVE_ID.fullmatch(save_id):
+            raise ValueError(f"a save id is 12 to 32 lowercase hex digits, got {save_id!r}")
+        arrays = {name: attrs.evolve(a, bound_to=save_id) for name, a in self.arrays.items()}
+        return attrs.evolve(self, arrays=arrays, save_id=save_id)
 
     def to_dict(self) -> dict[str, Any]:
         optional: dict[str, Any] = {}
@@ -281,6 +304,8 @@ class CheckpointMeta:
             optional["rank_state_world"] = self.rank_state_world
         if self.all_chunks_stored:
             optional["all_chunks_stored"] = True
+        if self.save_id is not None:
+            optional[SAVE_ID_KEY] = self.save_id
         return {
             "format_version": self.format_version,
             "library_version": self.library_version,
@@ -313,7 +338,8 @@ class CheckpointMeta:
             mesh = Mesh.from_json(d["mesh"])
             if mesh.size > MAX_MESH_SIZE:
                 raise FormatError(f"{where}: a mesh of {mesh.size} ranks, above the reader's limit of {MAX_MESH_SIZE}")
-            arrays = _parse_arrays(d["arrays"], version, mesh, where)
+            save_id = _save_id(d.get(SAVE_ID_KEY), version, where)
+            arrays = _parse_arrays(d["arrays"], version, mesh, where, save_id)
             step = d.get("step")
             if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
                 raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
@@ -340,6 +366,7 @@ class CheckpointMeta:
                 rank_state_world=rank_state_world,
                 all_chunks_stored=d.get("all_chunks_stored") is True,
                 packing=_packing(d.get("packing", "files"), version, where),
+                save_id=save_id,
             )
         except FormatError:
             raise
@@ -361,7 +388,25 @@ def _packing(packing: Any, version: int, where: str) -> str:
     return packing
 
 
-def _parse_arrays(entries: Any, version: int, mesh: Mesh, where: str) -> dict[str, ArrayMeta]:
+def _save_id(save_id: Any, version: int, where: str) -> str | None:
+    if save_id is None:
+        return None
+    if version < 6 or not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
+        raise FormatError(
+            f"{where}: {SAVE_ID_KEY} {str(save_id)[:80]!r} is invalid for format version {version} (expected "
+            "12 to 32 lowercase hex digits, from version 6 on); the checkpoint's metadata is corrupt"
+        )
+    return save_id
+
+
+def new_save_id() -> str:
+    """A fresh save id: 32 random hex digits."""
+    return uuid.uuid4().hex
+
+
+def _parse_arrays(
+    entries: Any, version: int, mesh: Mesh, where: str, save_id: str | None = None
+) -> dict[str, ArrayMeta]:
     """The array entries, each checked alone (4.1) and against the mesh its spec names (5.2)."""
     # Version 1 nested each chunk key's parts as directories (``c/0/1``); later versions keep
     # them in one file name (``c.0.1``): a quarter fewer files and directories to create.
@@ -369,7 +414,7 @@ def _parse_arrays(entries: Any, version: int, mesh: Mesh, where: str) -> dict[st
     arrays = {}
     try:
         for name, entry in entries.items():
-            a = ArrayMeta.from_dict(name, entry, separator=separator)
+            a = ArrayMeta.from_dict(name, entry, separator=separator, bound_to=save_id)
             own = a.mesh or mesh
             if own.size != mesh.size:
                 raise FormatError(f"array {name!r}: its mesh has {own.size} ranks, the checkpoint's {mesh.size}")

@@ -4,13 +4,16 @@ Every array is stored with Zarr v3's ``sharding_indexed`` codec: a shard file ho
 each little-endian bytes, optionally compressed, followed by its crc32c; at the end of the file an
 index of ``(offset, nbytes)`` as two uint64 per inner chunk in C order over the shard's inner
 grid, followed by the index's crc32c. A chunk that was never written has both entries
-``ABSENT``. The TensorStore/zarr codec description (``codecs_json``), the numcodecs codec that
+``ABSENT``. A shard of a checkpoint with a ``save_id`` (format version 6 on) holds a binding block
+(``binding``) between its last inner chunk and its index: the shard's proof of which checkpoint,
+array and grid cell it belongs to, which Zarr readers skip (they find chunks by offset). The TensorStore/zarr codec description (``codecs_json``), the numcodecs codec that
 layoutckpt's own shard writer and reader use (``codec_for``), and the byte counts a read plan
 reports all derive from the definitions here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -23,6 +26,11 @@ ABSENT = 2**64 - 1  # both index entries of a chunk that is not stored
 CRC_BYTES = 4  # after every inner chunk, and after the shard index
 INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two uint64 per inner chunk of a shard
 ZSTD_LEVEL = 3
+# The binding block: a magic, then the first ``BINDING_DIGEST_BYTES`` of a BLAKE2b digest of
+# the save's id, the array's path and the shard's grid cell (``binding``).
+BINDING_MAGIC = b"LCBIND1\0"
+BINDING_DIGEST_BYTES = 24
+BINDING_BYTES = len(BINDING_MAGIC) + BINDING_DIGEST_BYTES
 
 
 def _check(compression: str | None) -> None:
@@ -58,6 +66,14 @@ def codec_for(compression: str | None, itemsize: int) -> Any:
         return Zstd(level=ZSTD_LEVEL, checksum=False)
     shuffle = Blosc.SHUFFLE if _blosc_shuffle(itemsize) == "shuffle" else Blosc.BITSHUFFLE
     return Blosc(cname="zstd", clevel=ZSTD_LEVEL, shuffle=shuffle, blocksize=0, typesize=itemsize)
+
+
+def binding(save_id: str, path: str, cell: Sequence[int]) -> bytes:
+    """The binding block of the shard at grid ``cell`` of the array at ``path``, written by the
+    save ``save_id``: a shard moved to another cell or array, or copied from another checkpoint,
+    carries another block, though its checksums all hold."""
+    text = f"{save_id}\0{path}\0{'.'.join(map(str, cell))}".encode()
+    return BINDING_MAGIC + hashlib.blake2b(text, digest_size=BINDING_DIGEST_BYTES).digest()
 
 
 def grid_cells(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[int, ...]]:

@@ -15,12 +15,14 @@ import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import tensorstore as ts
 
+from ..base._errors import IntegrityError
 from ..base._options import IOConfig
 from ..format._dtypes import numpy_dtype
-from ..format._shard import index_bytes
+from ..format._shard import BINDING_BYTES, index_bytes
 from ..layout._plan import Box, box_size, row_pieces, shard_pieces
 from . import _os, _shardread, _store
 
@@ -134,19 +136,23 @@ class TensorStoreReader(BoxReader):
         target = ts.array(out, copy=False, write=True)
         return _TensorStoreRead(target.write(source), name, self, out.nbytes, indexes)
 
-    def index_reads(self, meta: ArrayMeta, store: ts.TensorStore, box: Box) -> list[tuple[str, int, Any]]:
-        """Reads of the indexes of the shards ``box`` overlaps that no read checked yet. TensorStore
-        checks an index's crc32c and that its entries lie in the shard, not that they overlap: a
-        crafted index could make two cells read the same (valid) bytes."""
-        if not meta.inner_chunk_shape:
-            return []
+    def index_reads(self, meta: ArrayMeta, store: ts.TensorStore, box: Box) -> list[IndexRead]:
+        """Reads of the indexes of the shards ``box`` overlaps that no read checked yet, each with
+        the binding block before it where the array is bound to its save. TensorStore checks an
+        index's crc32c and that its entries lie in the shard, not that they overlap (a crafted
+        index could make two cells read the same valid bytes), nor where the shard belongs."""
+        bound = meta.bound_to is not None
+        if not meta.inner_chunk_shape and not bound:
+            return []  # one inner chunk: nothing to overlap, and no binding to check
         table_bytes = index_bytes(meta.shard_shape, meta.inner_chunk_shape)
+        tail = table_bytes + (BINDING_BYTES if bound else 0)
         reads = []
         for cell in cells_of(box, meta.shard_shape):
             if (meta.path, cell) not in self._indexed:
                 self._indexed.add((meta.path, cell))
                 key = meta.chunk_key(cell)
-                reads.append((key, table_bytes, store.kvstore.read(key, byte_range=slice(-table_bytes, None))))
+                read = store.kvstore.read(key, byte_range=slice(-tail, None))
+                reads.append(IndexRead(meta, key, cell, table_bytes, read))
         return reads
 
     def settled(self, nbytes: int) -> None:
@@ -165,23 +171,59 @@ class TensorStoreReader(BoxReader):
         self._stores.clear()
 
 
+@attrs.frozen
+class IndexRead:
+    """A read of the last bytes of the shard ``key`` at grid ``cell`` of the array ``meta``: its
+    binding block where bound, then its index of ``table_bytes``."""
+
+    meta: ArrayMeta
+    key: str
+    cell: tuple[int, ...]
+    table_bytes: int
+    future: Any
+
+    def check(self, name: str, where: str) -> None:
+        """Check what was read; ``IntegrityError`` naming the array ``name`` if it fails."""
+        try:
+            got = _store.read_result(self.future, name, where)
+        except IntegrityError:
+            if self.meta.bound_to is None or not _out_of_range(self.future):
+                raise
+            detail = _shardread.misplaced(self.key, "too short to hold its binding block")
+            raise _store.damaged(name, where, missing=False, detail=detail) from None
+        if got.state != "value":  # the data read found a missing shard already
+            return
+        raw = bytes(got.value)
+        try:
+            _shardread.check_binding(self.meta, self.key, self.cell, raw)
+            table = raw[len(raw) - self.table_bytes :]
+            _shardread.checked_index(table, self.table_bytes, self.key, 2**63)
+        except _shardread.Damaged as err:
+            raise _store.damaged(name, where, missing=False, detail=str(err)) from None
+
+
+def _out_of_range(future: Any) -> bool:
+    try:
+        future.result()
+    except ValueError as err:
+        return str(err).startswith("OUT_OF_RANGE")
+    return False
+
+
 class _TensorStoreRead(Pending):
-    def __init__(self, future: Any, name: str, reader: TensorStoreReader, nbytes: int, indexes: list[Any]) -> None:
+    def __init__(
+        self, future: Any, name: str, reader: TensorStoreReader, nbytes: int, indexes: list[IndexRead]
+    ) -> None:
         self.future, self.name, self.reader, self.nbytes, self.indexes = future, name, reader, nbytes, indexes
 
     def result(self) -> int:
         # Every future settles before this returns or raises: one left to settle later would call
         # back into Python from a TensorStore thread after the caller has moved on.
-        for _, _, read in self.indexes:
-            _quietly(read)
+        for index in self.indexes:
+            _quietly(index.future)
         _store.read_result(self.future, self.name, self.reader.where)
-        for key, table_bytes, read in self.indexes:
-            got = _store.read_result(read, self.name, self.reader.where)
-            if got.state == "value":  # the data read above found a missing shard already
-                try:
-                    _shardread.checked_index(bytes(got.value), table_bytes, key, 2**63)
-                except _shardread.Damaged as err:
-                    raise _store.damaged(self.name, self.reader.where, missing=False, detail=str(err)) from None
+        for index in self.indexes:
+            index.check(self.name, self.reader.where)
         self.reader.settled(self.nbytes)
         return self.nbytes
 

@@ -13,8 +13,8 @@ as a stream, a few inner chunks at a time. Two writers use it:
 - ``import_safetensors``, which reads its source piece by piece: TensorStore stores a shard as
   one value, so every partial write would re-read and rewrite the whole shard.
 
-Either way chunks are read, encoded, appended and dropped, and the index follows, so memory
-stays at one group of chunks whatever the shard size.
+Either way chunks are read, encoded, appended and dropped, and the index follows (after the
+binding block of a bound array), so memory stays at one group of chunks whatever the shard size.
 
 The buffer pools here (``_scratch``, ``_aligned``) are process-wide caches, not settings: any
 size works, and a reused buffer is one whose pages are already mapped, where a fresh one of this
@@ -37,7 +37,7 @@ import crc32c
 import numpy as np
 
 from ..base._options import DEFAULT_IO, IOConfig
-from ..format._shard import ABSENT, codec_for, inner_boxes, inner_count
+from ..format._shard import ABSENT, binding, codec_for, inner_boxes, inner_count
 from ..layout._plan import Box
 from . import _os
 
@@ -121,7 +121,8 @@ def encode(
     sink: _Sink, meta: ArrayMeta, cell: Sequence[int], dtype: np.dtype, source: ShardSource, group_bytes: int
 ) -> int:
     """Append the shard at grid ``cell`` of the array ``meta`` to ``sink``: its inner chunks,
-    each followed by its crc32c, then the index; returns the bytes appended."""
+    each followed by its crc32c, the binding block where ``meta`` is bound to a save, then the
+    index; returns the bytes appended."""
     inner = tuple(meta.inner_chunk_shape)
     if (
         isinstance(source, np.ndarray)
@@ -134,8 +135,11 @@ def encode(
         read = source if callable(source) else _reader(source, meta.shard_shape, cell)
         index = _write_chunks(sink, meta, cell, dtype, read)
     table = index.tobytes()
-    sink.write([table, crc32c.crc32c(table).to_bytes(4, "little")])
-    return int(index[:, 1][index[:, 1] != ABSENT].sum()) + len(table) + 4
+    # After the chunks, so that their offsets are the same bound or not; before the index, which
+    # Zarr readers find at the end: they never look at the block.
+    block = binding(meta.bound_to, meta.path, cell) if meta.bound_to is not None else b""
+    sink.write([block, table, crc32c.crc32c(table).to_bytes(4, "little")])
+    return int(index[:, 1][index[:, 1] != ABSENT].sum()) + len(block) + len(table) + 4
 
 
 def shard_value(

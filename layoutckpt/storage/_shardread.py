@@ -27,7 +27,7 @@ import crc32c
 import numpy as np
 
 from ..base._options import DEFAULT_IO, IOConfig
-from ..format._shard import ABSENT, codec_for, declared_size
+from ..format._shard import ABSENT, BINDING_BYTES, BINDING_MAGIC, binding, codec_for, declared_size
 from ..layout._plan import Box
 from . import _os
 
@@ -69,8 +69,9 @@ def read_box(
     """Fill ``out`` with ``box`` of the array ``meta`` stored under the local directory ``root``,
     reading only the shard indexes and inner chunks the box touches. Returns the bytes read.
 
-    A missing file or chunk, a failed checksum or an index that points outside its file raise
-    ``Damaged``; where the checkpoint predates ``all_chunks_stored``, missing chunks read as
+    A missing file or chunk, a failed checksum, an index that points outside its file or, for
+    an array bound to its save (``meta.bound_to``), a shard whose binding block names another
+    save, array or cell raise ``Damaged``; where the checkpoint predates ``all_chunks_stored``, missing chunks read as
     zeros (the fill value).
     """
     global _bytes_read
@@ -98,6 +99,8 @@ class _BoxFill:
         grid = [-(-s // c) for s, c in zip(meta.shard_shape, self.inner)]
         self.steps = [math.prod(grid[d + 1 :]) for d in range(len(grid))]
         self.table_bytes = 16 * math.prod(grid) + 4
+        # A bound array's shards hold their binding block just before the index: read with it.
+        self.tail_bytes = self.table_bytes + (BINDING_BYTES if meta.bound_to is not None else 0)
         self.buffer = np.empty(0, np.uint8)
         self.decoded = np.empty(0, np.uint8)  # an inner chunk's decoded bytes, reused
         # Uncompressed chunks of a run that lie side by side along the last dimension, whole
@@ -126,19 +129,24 @@ class _BoxFill:
             return 0
         try:
             size = os.fstat(fd).st_size
-            offsets, lengths = self.index(fd, key, size)
+            offsets, lengths = self.index(fd, key, cell, size)
             runs = self.runs(key, origin, ranges, offsets, lengths, size)
-            return self.table_bytes + (self.fetch(fd, key, origin, runs, prefetch) if runs else 0)
+            return self.tail_bytes + (self.fetch(fd, key, origin, runs, prefetch) if runs else 0)
         finally:
             os.close(fd)
 
-    def index(self, fd: int, key: str, size: int) -> tuple[list[int], list[int]]:
+    def index(self, fd: int, key: str, cell: Sequence[int], size: int) -> tuple[list[int], list[int]]:
         """The shard's index: (offsets, lengths) of its inner chunks, checked: its crc32c, and
-        every stored chunk inside the file before the index, overlapping no other."""
+        every stored chunk inside the file before the index (and before the binding block, which
+        must bind the shard to this array's save, path and ``cell``), overlapping no other."""
         if size < self.table_bytes:
             raise Damaged(False, f"shard {key} is {size} bytes, too short for its index")
-        table = os.pread(fd, self.table_bytes, size - self.table_bytes)
-        offsets, lengths = checked_index(table, self.table_bytes, key, size - self.table_bytes)
+        if size < self.tail_bytes:
+            raise Damaged(False, misplaced(key, "too short to hold its binding block"))
+        tail = os.pread(fd, self.tail_bytes, size - self.tail_bytes)
+        check_binding(self.meta, key, cell, tail)
+        end = size - self.tail_bytes
+        offsets, lengths = checked_index(tail[self.tail_bytes - self.table_bytes :], self.table_bytes, key, end)
         return offsets.tolist(), lengths.tolist()
 
     def runs(
@@ -312,6 +320,23 @@ def _scratch(nbytes: int) -> np.ndarray:
     if nbytes <= _SCRATCH_KEEP:
         _scratch_local.buffer = buf
     return buf
+
+
+def check_binding(meta: ArrayMeta, key: str, cell: Sequence[int], tail: bytes) -> None:
+    """Where ``meta`` is bound to a save, the shard's ``tail`` (its last bytes, the binding block
+    first) must begin with the block that binds it to that save, the array's path and ``cell``."""
+    if meta.bound_to is None:
+        return
+    found = bytes(tail[:BINDING_BYTES])
+    if found != binding(meta.bound_to, meta.path, cell):
+        named = found.startswith(BINDING_MAGIC)
+        why = "its binding block names another save, array or cell" if named else "it holds no binding block"
+        raise Damaged(False, misplaced(key, why))
+
+
+def misplaced(key: str, why: str) -> str:
+    """What ``Damaged`` says of a shard that is not bound to where it is read."""
+    return f"shard {key} belongs to another place: {why} (moved, or copied from another checkpoint)"
 
 
 def checked_index(table: bytes, table_bytes: int, key: str, end: int) -> tuple[np.ndarray, np.ndarray]:

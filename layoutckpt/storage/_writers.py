@@ -6,8 +6,9 @@ shard, as a save's plan makes them, is encoded by layoutckpt itself (``_shardfil
 the source's memory to the file, a large shard goes past the page cache (``io.direct_io``), and
 every file's writeback starts as it is closed. On any other store (object stores, ``memory://``,
 a packed checkpoint's database) the shard is one value of a TensorStore key-value store. A box
-that is part of a shard is written by TensorStore's zarr driver. All write the same bytes
-(``docs/format.md`` section 5.4).
+that is part of a shard is written by TensorStore's zarr driver, which cannot add a binding
+block: only arrays whose shards are not bound to a save take such boxes. All write the same
+bytes (``docs/format.md`` section 5.4).
 """
 
 from __future__ import annotations
@@ -99,6 +100,14 @@ class TensorStoreWriter(BoxWriter):
         return None
 
     def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
+        if meta.bound_to is not None:
+            # Internal invariant: a save's plan makes whole shards only, which layoutckpt encodes.
+            raise ValueError(
+                f"array {meta.path!r}: the box {list(box)} would be written by TensorStore's zarr driver "
+                "(it is not one whole shard), which cannot add the binding block its shards need (they "
+                "are bound to their save); write whole shards of shard_shape "
+                f"{list(meta.shard_shape)}, or an unbound array"
+            )
         if meta.path not in self._opened:
             self._opened[meta.path] = _store.open_array(self._ctx, self.location, meta)
         store = self._opened[meta.path].result()

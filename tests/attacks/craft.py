@@ -15,6 +15,7 @@ import crc32c
 import numpy as np
 
 import layoutckpt as lc
+from layoutckpt.format._shard import BINDING_BYTES
 
 ABSENT = 2**64 - 1
 SHAPE = (64, 64)
@@ -26,11 +27,14 @@ def weights() -> np.ndarray:
     return np.arange(SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE)
 
 
-def plain(path: Path, *, compression: str | None = None, rank_state: Any = None) -> Path:
-    """One replicated array ``model.w`` of one shard, saved by one process."""
+def plain(
+    path: Path, *, compression: str | None = None, rank_state: Any = None, values: np.ndarray | None = None
+) -> Path:
+    """One replicated array ``model.w`` of one shard (``values``, ``weights()`` by default),
+    saved by one process."""
     lc.save(
         path,
-        {"model": {"w": weights()}},
+        {"model": {"w": weights() if values is None else values}},
         lc.Layout.replicated(),
         step=12,
         metadata={"run": "attack"},
@@ -82,6 +86,23 @@ def array_entry(name: str) -> Callable[[Callable[[dict[str, Any]], None]], Calla
 # --------------------------------------------------------------------------------------- shards
 
 
+def _tail(raw: bytes, chunks: int) -> int:
+    """Where a shard's binding block starts: every shard layoutckpt saves is bound (version 6)."""
+    return len(raw) - 4 - 16 * chunks - BINDING_BYTES
+
+
+def block_of(raw: bytes, chunks: int) -> bytes:
+    """The binding block of a shard of ``chunks`` inner chunks (docs/format.md 5.4)."""
+    at = _tail(raw, chunks)
+    return raw[at : at + BINDING_BYTES]
+
+
+def unbound(raw: bytes, chunks: int) -> bytes:
+    """The shard ``raw`` without its binding block, its chunks and index as they were."""
+    at = _tail(raw, chunks)
+    return raw[:at] + raw[at + BINDING_BYTES :]
+
+
 def read_shard(shard: Path, chunks: int) -> list[bytes | None]:
     """The payloads (checksums stripped) of a shard's ``chunks`` inner chunks, None if absent."""
     return shard_payloads(shard.read_bytes(), chunks)
@@ -93,9 +114,10 @@ def shard_payloads(raw: bytes, chunks: int) -> list[bytes | None]:
     return [None if o == ABSENT else raw[o : o + n - 4] for o, n in index.tolist()]
 
 
-def shard_bytes(payloads: list[bytes | None], index: list[tuple[int, int]] | None = None) -> bytes:
-    """A shard file of ``payloads``, each followed by its crc32c, and an index (``index`` where
-    given, crafted; else where the chunks lie) with a valid crc32c."""
+def shard_bytes(payloads: list[bytes | None], index: list[tuple[int, int]] | None = None, block: bytes = b"") -> bytes:
+    """A shard file of ``payloads``, each followed by its crc32c, the binding ``block`` (the
+    original shard's, ``block_of``, so that the shard stays bound to its place), and an index
+    (``index`` where given, crafted; else where the chunks lie) with a valid crc32c."""
     body = b""
     entries = []
     for p in payloads:
@@ -105,7 +127,7 @@ def shard_bytes(payloads: list[bytes | None], index: list[tuple[int, int]] | Non
         entries.append((len(body), len(p) + 4))
         body += p + crc32c.crc32c(p).to_bytes(4, "little")
     table = np.array(index if index is not None else entries, dtype="<u8").tobytes()
-    return body + table + crc32c.crc32c(table).to_bytes(4, "little")
+    return body + block + table + crc32c.crc32c(table).to_bytes(4, "little")
 
 
 def zstd_rle_frame(content: int, declared: int | None) -> bytes:
@@ -128,13 +150,15 @@ def zstd_rle_frame(content: int, declared: int | None) -> bytes:
 # ------------------------------------------------------------------ memory:// (TensorStore reads)
 
 
-def in_memory(tmp: Path, *, compression: str | None = None) -> str:
-    """``plain``'s checkpoint saved to ``memory://`` (a URL unique to ``tmp``): every read of its
-    arrays goes through TensorStore rather than layoutckpt's own shard reader."""
-    url = f"memory://attacks/{tmp.name}/ckpt"
+def in_memory(
+    tmp: Path, *, compression: str | None = None, name: str = "ckpt", values: np.ndarray | None = None
+) -> str:
+    """``plain``'s checkpoint saved to ``memory://`` (a URL unique to ``tmp`` and ``name``): every
+    read of its arrays goes through TensorStore rather than layoutckpt's own shard reader."""
+    url = f"memory://attacks/{tmp.name}/{name}"
     lc.save(
         url,
-        {"model": {"w": weights()}},
+        {"model": {"w": weights() if values is None else values}},
         lc.Layout.replicated(),
         step=12,
         metadata={"run": "attack"},
@@ -144,9 +168,16 @@ def in_memory(tmp: Path, *, compression: str | None = None) -> str:
     return url
 
 
+def read_memory_shard(url: str, key: str) -> bytes:
+    """The stored object ``key`` of the ``memory://`` checkpoint ``url``."""
+    from layoutckpt.storage._location import locate
+
+    return bytes(locate(url)._kv.read(key).result().value)
+
+
 def edit_memory_shard(url: str, key: str, edit: Callable[[bytes], bytes]) -> None:
     """Replace the stored object ``key`` of the ``memory://`` checkpoint ``url`` with ``edit(old)``."""
     from layoutckpt.storage._location import locate
 
     kv = locate(url)._kv
-    kv.write(key, edit(bytes(kv.read(key).result().value))).result()
+    kv.write(key, edit(read_memory_shard(url, key))).result()

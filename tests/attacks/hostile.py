@@ -247,11 +247,11 @@ def verify_meets_a_fifo_shard(tmp: Path) -> Path:
 
 
 def _zstd_shard(tmp: Path, payload: bytes) -> Path:
-    """A zstd checkpoint whose first inner chunk is ``payload`` (checksums valid)."""
+    """A zstd checkpoint whose first inner chunk is ``payload`` (checksums valid, still bound)."""
     path = craft.plain(tmp / "ckpt", compression="zstd")
     shard = path / "model/w/c.0.0"
     payloads = craft.read_shard(shard, 4)
-    shard.write_bytes(craft.shard_bytes([payload, *payloads[1:]]))
+    shard.write_bytes(craft.shard_bytes([payload, *payloads[1:]], block=craft.block_of(shard.read_bytes(), 4)))
     return path
 
 
@@ -278,7 +278,7 @@ def blosc_bomb_of_1_gib(tmp: Path) -> Path:
     payloads = craft.read_shard(shard, 4)
     first = bytearray(payloads[0])
     first[4:8] = (1 << 30).to_bytes(4, "little")  # the header's decoded size
-    shard.write_bytes(craft.shard_bytes([bytes(first), *payloads[1:]]))
+    shard.write_bytes(craft.shard_bytes([bytes(first), *payloads[1:]], block=craft.block_of(shard.read_bytes(), 4)))
     return path
 
 
@@ -297,7 +297,7 @@ def _crafted_index(tmp: Path, edit: Callable[[list[list[int]]], None]) -> Path:
     size = len(payloads[0]) + 4
     index = [[i * size, size] for i in range(4)]
     edit(index)
-    shard.write_bytes(craft.shard_bytes(payloads, [tuple(e) for e in index]))
+    shard.write_bytes(craft.shard_bytes(payloads, [tuple(e) for e in index], craft.block_of(shard.read_bytes(), 4)))
     return path
 
 
@@ -314,6 +314,12 @@ def index_entry_past_the_file(tmp: Path) -> Path:
 
 @attack("load", lc.IntegrityError, "outside the file")
 def index_entry_into_the_index(tmp: Path) -> Path:
+    # Past the last chunk lies the binding block, then the index: 8 bytes into the index.
+    return _crafted_index(tmp, lambda index: index[3].__setitem__(0, index[3][0] + craft.BINDING_BYTES + 8))
+
+
+@attack("load", lc.IntegrityError, "outside the file")
+def index_entry_into_the_binding_block(tmp: Path) -> Path:
     return _crafted_index(tmp, lambda index: index[3].__setitem__(0, index[3][0] + 8))
 
 
@@ -371,14 +377,13 @@ def rank_state_nested_100000_deep(tmp: Path) -> Path:
 
 
 # ----------------------------------------------------------- shards in the wrong place (item 6)
+# Every checksum of a moved or copied shard holds: only its binding block (docs/format.md 5.4),
+# which names the save, the array and the cell it was written for, tells it is not this one.
 
-_GAP_6 = (
-    "shard checksums are the crc32c codec's, unseeded, so that plain zarr checks them: a valid "
-    "shard reads as good wherever it lies (docs/format.md section 8 says what is checked)"
-)
+MISPLACED = "belongs to another place"
 
 
-@attack("load", lc.IntegrityError, "", gap=_GAP_6)
+@attack("load", lc.IntegrityError, MISPLACED)
 def shards_swapped(tmp: Path) -> Path:
     path = craft.split(tmp / "ckpt")
     a, b = path / "w/c.0.0", path / "w/c.1.0"
@@ -388,13 +393,36 @@ def shards_swapped(tmp: Path) -> Path:
     return path
 
 
-@attack("load", lc.IntegrityError, "", gap=_GAP_6)
+@attack("load", lc.IntegrityError, MISPLACED)
 def shard_copied_from_another_checkpoint(tmp: Path) -> Path:
     other = craft.split(tmp / "other")
     (other / "w/c.0.0").write_bytes((other / "w/c.1.0").read_bytes())
     path = craft.split(tmp / "ckpt")
     shutil.copyfile(other / "w/c.0.0", path / "w/c.0.0")
     return path
+
+
+@attack("load", lc.IntegrityError, MISPLACED)
+def shard_copied_from_the_same_cell_of_another_save(tmp: Path) -> Path:
+    # Another save of other values, the same geometry: its c.0.0 is bound to its own save alone.
+    other = craft.plain(tmp / "other", values=craft.weights() + 1)
+    path = craft.plain(tmp / "ckpt")
+    shutil.copyfile(other / "model/w/c.0.0", path / "model/w/c.0.0")
+    return path
+
+
+@attack("load", lc.IntegrityError, MISPLACED)
+def shard_stripped_of_its_binding_block(tmp: Path) -> Path:
+    # Chunks and index as they were, the block cut out: what a writer that knows no binding writes.
+    path = craft.plain(tmp / "ckpt")
+    shard = path / "model/w/c.0.0"
+    shard.write_bytes(craft.unbound(shard.read_bytes(), 4))
+    return path
+
+
+@attack("verify", None, MISPLACED)
+def verify_meets_swapped_shards(tmp: Path) -> Path:
+    return shards_swapped(tmp)
 
 
 # -------------------------------------- the TensorStore read path: memory:// (and object stores)
@@ -413,7 +441,7 @@ def _memory_first_chunk(tmp: Path, compression: str | None, first: Callable[[byt
 
     def edit(raw: bytes) -> bytes:
         payloads = craft.shard_payloads(raw, 4)
-        return craft.shard_bytes([first(payloads[0]), *payloads[1:]])
+        return craft.shard_bytes([first(payloads[0]), *payloads[1:]], block=craft.block_of(raw, 4))
 
     craft.edit_memory_shard(url, SHARD, edit)
     return url
@@ -486,7 +514,20 @@ def tensorstore_index_entries_overlap(tmp: Path) -> str:
         size = len(payloads[0]) + 4
         index = [(i * size, size) for i in range(4)]
         index[1] = index[0]
-        return craft.shard_bytes(payloads, index)
+        return craft.shard_bytes(payloads, index, craft.block_of(raw, 4))
 
     craft.edit_memory_shard(url, SHARD, edit)
     return url
+
+
+@attack("load", lc.IntegrityError, MISPLACED)
+def tensorstore_shard_copied_from_another_save(tmp: Path) -> str:
+    url = craft.in_memory(tmp)
+    other = craft.in_memory(tmp, name="other", values=craft.weights() + 1)
+    craft.edit_memory_shard(url, SHARD, lambda _: craft.read_memory_shard(other, SHARD))
+    return url
+
+
+@attack("verify", None, MISPLACED)
+def verify_meets_a_copied_shard_through_tensorstore(tmp: Path) -> str:
+    return tensorstore_shard_copied_from_another_save(tmp)

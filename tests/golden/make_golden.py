@@ -7,7 +7,8 @@ Run once per format version, by the layoutckpt that introduced it: ``v1`` was wr
 layoutckpt 0.1 (format version 1), ``v2`` when chunk keys became ``c.0.1``, ``v3`` when
 the root document gained its checksum, ``v4`` when layouts gained stages, local names, fused and
 padded tensors and ZeRO over tensor parallelism (``parallel`` is new in ``v4``), ``v5`` when
-checkpoints could be packed into OCDBT (``packed`` is new in ``v5``).
+checkpoints could be packed into OCDBT (``packed`` is new in ``v5``), ``v6`` when the root
+document gained its ``save_id`` and every shard a binding block naming it, its array and its cell.
 
 The goldens are the compatibility promise of ``docs/format.md``: every later layoutckpt must read
 them. Regenerating them with a newer library would hide a format change, so the tests never run

@@ -311,7 +311,8 @@ def fetched(info: lc.ArrayInfo, box) -> tuple[int, int]:
         sub = [(max(a, i * s), min(b, (i + 1) * s)) for (a, b), i, s in zip(box, cell, shard)]
         chunks = math.prod((hi - 1) // c - lo // c + 1 for (lo, hi), c in zip(sub, inner))
         data += chunks * item * math.prod(inner)
-        overhead += chunks * 4 + 16 * math.prod(s // c for s, c in zip(shard, inner)) + 4
+        # The index with its crc32c, and the binding block read with it (format 5.4).
+        overhead += chunks * 4 + 16 * math.prod(s // c for s, c in zip(shard, inner)) + 4 + 32
     return data, overhead
 
 
@@ -400,7 +401,7 @@ def test_plan_of_a_box_read_in_pieces(tmp_path):
     assert len(_readplan.read_pieces(meta.arrays["big"], read.box)) == 2
     assert read.shards == 1 and read.bytes_read == big.nbytes
     info = lc.open(path).info("big")
-    index_bytes = 16 * math.prod(s // c for s, c in zip(info.shard_shape, info.inner_chunk_shape)) + 4
+    index_bytes = 16 * math.prod(s // c for s, c in zip(info.shard_shape, info.inner_chunk_shape)) + 4 + 32
     assert read.overhead_bytes == read.chunks * 4 + index_bytes
     before = bytes_read()
     out = lc.load(path)

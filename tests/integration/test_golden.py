@@ -12,7 +12,10 @@ Each test that reads ``basic`` runs on every version; they differ only where the
 - version 3's root documents carry a SHA-256 of their metadata (``sha256``), which readers check;
 - version 4 adds ``parallel``: a checkpoint saved under stages, local names, fused and padded
   tensors and a ZeRO buffer over tensor-parallel pieces, stored as global names and logical arrays
-  (its tests are at the end).
+  (its tests are at the end);
+- version 5 adds ``packed``: ``parallel`` in OCDBT databases;
+- version 6's root documents carry a ``save_id``, and every shard a binding block naming that id,
+  its array's path and its cell, between its last inner chunk and its index; readers check it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import zarr
 import layoutckpt as lc
 from tests.support.paths import GOLDEN as GOLDENS
 
-VERSIONS = (1, 2, 3, 4, 5)
+VERSIONS = (1, 2, 3, 4, 5, 6)
 MISSING = 2**64 - 1
 
 
@@ -67,6 +70,10 @@ class Golden:
     def sealed(self) -> bool:
         return self.version >= 3
 
+    @property
+    def bound(self) -> bool:
+        return self.version >= 6
+
     def shard(self, name: str, *cell: int) -> Path:
         """The shard file of ``name`` at grid ``cell``, by the spec's chunk key rule."""
         return self.path / name.replace(".", "/") / self.separator.join(["c", *map(str, cell)])
@@ -78,6 +85,7 @@ def golden(request) -> Golden:
 
 
 SEALED = [v for v in VERSIONS if Golden(v).sealed]
+BOUND = [v for v in VERSIONS if Golden(v).bound]
 
 
 @pytest.fixture(params=SEALED, ids=[f"v{v}" for v in SEALED])
@@ -248,7 +256,9 @@ def test_root_document_fields(golden):
     assert doc["zarr_format"] == 3 and doc["node_type"] == "group"
     meta = doc["attributes"]["layoutckpt"]
     assert ("sha256" in meta) is golden.sealed
-    assert set(meta) - {"all_chunks_stored", "sha256"} == {
+    assert ("save_id" in meta) is golden.bound
+    assert not golden.bound or re.fullmatch("[0-9a-f]{12,32}", meta["save_id"])
+    assert set(meta) - {"all_chunks_stored", "sha256", "save_id"} == {
         "format_version",
         "library_version",
         "arrays",
@@ -406,6 +416,46 @@ def test_shard_keys_follow_the_writer_boxes(golden):
     raw = golden.shard("model.embed.weight", 1, 0).read_bytes()
     index = np.frombuffer(raw[-(3 * 16 + 4) : -4], "<u8").reshape(3, 2)
     assert index[2].tolist() == [MISSING, MISSING]
+
+
+@pytest.fixture(params=BOUND, ids=[f"v{v}" for v in BOUND])
+def bound(request) -> Golden:
+    """The goldens of the versions whose shards are bound to their save (6 on)."""
+    return Golden(request.param)
+
+
+def _binding_block(save_id: str, path: str, cell: tuple[int, ...]) -> bytes:
+    """Format section 5.4, computed here: the magic, then BLAKE2b-192 of the id, path and cell."""
+    text = f"{save_id}\0{path}\0{'.'.join(map(str, cell))}".encode()
+    return b"LCBIND1\0" + hashlib.blake2b(text, digest_size=24).digest()
+
+
+def test_every_shard_carries_its_binding_block(bound):
+    """Between the last inner chunk and the index: 32 bytes naming the save, array and cell;
+    every stored chunk lies before them."""
+    save_id = json.loads((bound.path / "zarr.json").read_bytes())["attributes"]["layoutckpt"]["save_id"]
+    for name, (shape, _, shard, inner, _, _) in expected_meta(bound.version).items():
+        n_inner = math.prod(s // c for s, c in zip(shard, inner))
+        grid = [max(1, -(-n // s)) for n, s in zip(shape, shard)]
+        for cell in np.ndindex(*grid):
+            raw = bound.shard(name, *cell).read_bytes()
+            tail = 16 * n_inner + 4
+            block = raw[len(raw) - tail - 32 : len(raw) - tail]
+            assert block == _binding_block(save_id, name.replace(".", "/"), cell), (name, cell)
+            index = np.frombuffer(raw[-tail:-4], "<u8").reshape(n_inner, 2)
+            ends = [int(o + n) for o, n in index.tolist() if o != MISSING]
+            assert max(ends, default=0) <= len(raw) - tail - 32, (name, cell)
+
+
+def test_a_shard_moved_to_another_cell_is_refused(tmp_path, bound):
+    path = tmp_path / "basic"
+    shutil.copytree(bound.path, path)
+    a, b = bound.shard("model.embed.weight", 0, 0), bound.shard("model.embed.weight", 1, 0)
+    (path / "model/embed/weight/c.0.0").write_bytes(b.read_bytes())
+    (path / "model/embed/weight/c.1.0").write_bytes(a.read_bytes())
+    with pytest.raises(lc.IntegrityError, match=r"'model\.embed\.weight'.*shard c\.0\.0 belongs to another place"):
+        lc.load(path)
+    assert lc.open(path).read("counts").tolist() == [k * 10**12 for k in range(-3, 4)]  # the others read
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,7 +751,15 @@ def test_array_path_is_derived_from_the_name(basic_copy):
 # names (layers renumbered per stage), a grouped fused qkv, a fused [gate; up], padded
 # vocabularies and a ZeRO buffer over tensor-parallel pieces. Stored: global names, logical arrays.
 
-PARALLEL = GOLDENS / "v4" / "parallel"
+PARALLEL_VERSIONS = (4, 6)
+
+
+@pytest.fixture(params=PARALLEL_VERSIONS, ids=[f"v{v}" for v in PARALLEL_VERSIONS])
+def parallel(request) -> tuple[int, Path]:
+    """The ``parallel`` golden of a version that added it or changed how it is stored."""
+    return request.param, GOLDENS / f"v{request.param}" / "parallel"
+
+
 LAYERS, GROUPS, Q_ROWS, KV_ROWS, HIDDEN, FFN, VOCAB = 4, 2, 4, 2, 4, 6, 5  # rows per group for q, k, v
 
 
@@ -828,9 +886,10 @@ def _nested(tree: dict[str, Any], name: str) -> Any:
     return tree
 
 
-def test_parallel_golden_stores_global_names_and_logical_arrays():
-    doc = json.loads((PARALLEL / "zarr.json").read_bytes())["attributes"]["layoutckpt"]
-    assert doc["format_version"] == 4 and doc["mesh"] == [["pp", 2], ["dp", 1], ["tp", 2]]
+def test_parallel_golden_stores_global_names_and_logical_arrays(parallel):
+    version, root = parallel
+    doc = json.loads((root / "zarr.json").read_bytes())["attributes"]["layoutckpt"]
+    assert doc["format_version"] == version and doc["mesh"] == [["pp", 2], ["dp", 1], ["tp", 2]]
     want = parallel_arrays()
     assert sorted(doc["arrays"]) == sorted(want)
 
@@ -847,11 +906,11 @@ def test_parallel_golden_stores_global_names_and_logical_arrays():
         return out
 
     assert leaves(doc["tree"], "") == {name: name for name in want}
-    assert not (PARALLEL / "decoder/layers/0/self_attention/linear_qkv/weight").exists()
-    assert json.loads((PARALLEL / "optimizer/exp_avg/zarr.json").read_bytes())["node_type"] == "group"
+    assert not (root / "decoder/layers/0/self_attention/linear_qkv/weight").exists()
+    assert json.loads((root / "optimizer/exp_avg/zarr.json").read_bytes())["node_type"] == "group"
 
-    rd = lc.open(PARALLEL)
-    assert rd.step == 25 and rd.metadata == {"run": "golden-v4-parallel"}
+    rd = lc.open(root)
+    assert rd.step == 25 and rd.metadata == {"run": f"golden-v{version}-parallel"}
     assert sorted(rd.keys()) == sorted(want)
     for name, tensor in want.items():
         shard, spec = PARALLEL_SHARDS[name]
@@ -860,11 +919,11 @@ def test_parallel_golden_stores_global_names_and_logical_arrays():
         assert info.dtype == _as_numpy(tensor).dtype, name
         assert rd.read(name).tobytes() == _as_numpy(tensor).tobytes(), name
     # A padded vocabulary: two shards of the 4 rows each rank held, the second cut by the 5 rows.
-    embedding = PARALLEL / "embedding/word_embeddings/weight"
+    embedding = root / "embedding/word_embeddings/weight"
     assert sorted(p.name for p in embedding.iterdir()) == ["c.0.0", "c.1.0", "zarr.json"]
     assert rd.read("output_layer.weight", np.s_[3:5]).tobytes() == _as_numpy(want["output_layer.weight"][3:5]).tobytes()
 
-    got = lc.load(PARALLEL)
+    got = lc.load(root)
     assert sorted(got) == ["decoder", "embedding", "optimizer", "output_layer"]
     assert list(got["decoder"]["layers"]) == ["0", "1", "2", "3"]
     for name, tensor in want.items():
@@ -872,7 +931,7 @@ def test_parallel_golden_stores_global_names_and_logical_arrays():
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
-def test_parallel_golden_loads_into_one_process_under_local_names(inplace):
+def test_parallel_golden_loads_into_one_process_under_local_names(parallel, inplace):
     """One plain process, {"pp": 1, "dp": 1, "tp": 1}: every layer under its (now global) local
     name, qkv and [gate; up] fused again, the vocabularies padded to 8 rows, the ZeRO buffer whole."""
     want = parallel_rank_state(1, 1, 0, pad_rows=8)
@@ -881,7 +940,7 @@ def test_parallel_golden_loads_into_one_process_under_local_names(inplace):
         like = {name: torch.full_like(t, 7) for name, t in want.items()}  # the padding rows too
     else:
         like = {name: torch.empty_like(t, device="meta") for name, t in want.items()}
-    got = lc.load(PARALLEL, parallel_layout(1, 1), like=like, inplace=inplace)
+    got = lc.load(parallel[1], parallel_layout(1, 1), like=like, inplace=inplace)
     assert list(got) == list(want)
     for name, tensor in want.items():
         assert_bits_equal(got[name], tensor)
@@ -899,17 +958,17 @@ def _load_parallel(rank, group, path):
     return sorted(got)
 
 
-def test_parallel_golden_loads_on_two_stages_without_tensor_parallelism(ranks):
+def test_parallel_golden_loads_on_two_stages_without_tensor_parallelism(ranks, parallel):
     """Two ranks, {"pp": 2, "dp": 1, "tp": 1}: local layer numbers 0 and 1 on each stage, the
     fused tensors whole, another padding (6 rows)."""
-    names = ranks.run(_load_parallel, 2, str(PARALLEL))
+    names = ranks.run(_load_parallel, 2, str(parallel[1]))
     assert "embedding.word_embeddings.weight" in names[0] and "output_layer.weight" in names[1]
 
 
-def test_parallel_golden_opens_in_plain_zarr_and_tensorstore():
+def test_parallel_golden_opens_in_plain_zarr_and_tensorstore(parallel):
     want = parallel_arrays()
     for name in ("decoder.layers.2.self_attention.linear_qkv.k.weight", "output_layer.weight", "optimizer.exp_avg.w2"):
-        path = PARALLEL / name.replace(".", "/")
+        path = parallel[1] / name.replace(".", "/")
         assert zarr.open_array(path, mode="r")[...].tobytes() == _as_numpy(want[name]).tobytes(), name
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}
         assert ts.open(spec, read=True).result().read().result().tobytes() == _as_numpy(want[name]).tobytes(), name
@@ -917,34 +976,40 @@ def test_parallel_golden_opens_in_plain_zarr_and_tensorstore():
 
 # packed (version 5 on): parallel's save with packing="ocdbt": the same objects, in the ranks'
 # OCDBT databases merged into one at the root; only the root document is a plain file.
-PACKED = GOLDENS / "v5" / "packed"
+PACKED_VERSIONS = (5, 6)
 
 
-def test_packed_golden_reads_as_the_parallel_one():
-    doc = json.loads((PACKED / "zarr.json").read_bytes())["attributes"]["layoutckpt"]
-    assert doc["format_version"] == 5 and doc["packing"] == "ocdbt"
-    assert not (PACKED / "decoder").exists() and (PACKED / "manifest.ocdbt").is_file()
-    assert sorted(p.name for p in (PACKED / "packs").iterdir()) == ["00000", "00001", "00002", "00003"]
+@pytest.fixture(params=PACKED_VERSIONS, ids=[f"v{v}" for v in PACKED_VERSIONS])
+def packed(request) -> tuple[int, Path]:
+    return request.param, GOLDENS / f"v{request.param}" / "packed"
+
+
+def test_packed_golden_reads_as_the_parallel_one(packed):
+    version, root = packed
+    doc = json.loads((root / "zarr.json").read_bytes())["attributes"]["layoutckpt"]
+    assert doc["format_version"] == version and doc["packing"] == "ocdbt"
+    assert not (root / "decoder").exists() and (root / "manifest.ocdbt").is_file()
+    assert sorted(p.name for p in (root / "packs").iterdir()) == ["00000", "00001", "00002", "00003"]
     want = parallel_arrays()
-    rd = lc.open(PACKED)
+    rd = lc.open(root)
     assert rd.meta.packing == "ocdbt" and sorted(rd.keys()) == sorted(want)
     for name, tensor in want.items():
         assert rd.read(name).tobytes() == _as_numpy(tensor).tobytes(), name
     assert rd.read("output_layer.weight", np.s_[3:5]).tobytes() == _as_numpy(want["output_layer.weight"][3:5]).tobytes()
     like = {n: torch.empty_like(t, device="meta") for n, t in parallel_rank_state(1, 1, 0, pad_rows=8).items()}
-    got = lc.load(PACKED, parallel_layout(1, 1), like=like)
+    got = lc.load(root, parallel_layout(1, 1), like=like)
     for name, tensor in parallel_rank_state(1, 1, 0, pad_rows=8).items():
         assert_bits_equal(got[name], tensor)
 
 
-def test_packed_golden_loads_on_two_stages(ranks):
-    names = ranks.run(_load_parallel, 2, str(PACKED))
+def test_packed_golden_loads_on_two_stages(ranks, packed):
+    names = ranks.run(_load_parallel, 2, str(packed[1]))
     assert "embedding.word_embeddings.weight" in names[0] and "output_layer.weight" in names[1]
 
 
-def test_packed_golden_opens_in_plain_tensorstore():
+def test_packed_golden_opens_in_plain_tensorstore(packed):
     want = parallel_arrays()
-    database = {"driver": "ocdbt", "base": {"driver": "file", "path": str(PACKED) + "/"}}
+    database = {"driver": "ocdbt", "base": {"driver": "file", "path": str(packed[1]) + "/"}}
     for name, tensor in want.items():
         spec = {"driver": "zarr3", "kvstore": {**database, "path": name.replace(".", "/") + "/"}}
         assert ts.open(spec, read=True).result().read().result().tobytes() == _as_numpy(tensor).tobytes(), name

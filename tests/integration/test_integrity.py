@@ -209,7 +209,7 @@ def test_undecodable_chunk_through_tensorstore(tmp_path, how):
             first = first[: len(first) // 3]
         else:  # a frame that is no zstd frame, its crc32c valid
             first = bytes([first[0] ^ 0xFF]) + first[1:]
-        return craft.shard_bytes([first, *payloads[1:]])
+        return craft.shard_bytes([first, *payloads[1:]], block=craft.block_of(raw, chunks))
 
     craft.edit_memory_shard(url, "A/c.0.0", edit)
     measured = _peak_rss_reset()

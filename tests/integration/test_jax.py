@@ -169,7 +169,7 @@ def chunk_bytes(info: lc.ArrayInfo, boxes) -> int:
         chunks.update(itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(box, inner))))
     shards = {tuple(i * c // s for i, c, s in zip(cell, inner, shard)) for cell in chunks}
     per_chunk = info.dtype.itemsize * math.prod(inner) + 4
-    per_index = 16 * math.prod(s // c for s, c in zip(shard, inner)) + 4
+    per_index = 16 * math.prod(s // c for s, c in zip(shard, inner)) + 4 + 32  # and the binding block
     return len(chunks) * per_chunk + len(shards) * per_index
 
 

@@ -210,43 +210,6 @@ def test_compressed_checkpoints_round_trip_and_open_in_plain_zarr(ranks, tmp_pat
             assert stored < want["opt.big"].nbytes / 4, (stored, want["opt.big"].nbytes)
 
 
-def _save_through_tensorstore(rank, group, path):
-    """``_save`` with every shard written by TensorStore, as on an object store."""
-    from layoutckpt.layout import _plan
-
-    real = _plan.shard_cell
-    _plan.shard_cell = lambda *args: None
-    try:
-        return _save(rank, group, path, "random", None, 64)
-    finally:
-        _plan.shard_cell = real
-
-
-def test_shard_files_are_byte_for_byte_what_tensorstore_writes(ranks, saved, tmp_path):
-    """On a local file system ``save`` writes whole shards itself (``_shardfile``); elsewhere
-    TensorStore writes them. Both must store the same bytes: chunks, padding, checksums, index."""
-    other = str(tmp_path / "ts")
-    assert ranks.run(_save_through_tensorstore, 4, other) == [True] * 4
-    meta = lc.open(saved).meta
-    # Shards at the array's edge whose inner chunks overhang it: their padding is compared too.
-    assert any(n % s % c for a in meta.arrays.values() for n, s, c in zip(a.shape, a.shard_shape, a.inner_chunk_shape))
-
-    def shard_files(root):
-        return {
-            os.path.relpath(os.path.join(d, f), root)
-            for d, _, fs in os.walk(root)
-            for f in fs
-            if f != "zarr.json" and f"{os.sep}c" in os.path.join(d, f)[len(root) :]
-        }
-
-    files = shard_files(saved)
-    assert files == shard_files(other)
-    assert len(files) >= len(ARRAYS)
-    for rel in files:
-        with open(os.path.join(saved, rel), "rb") as a, open(os.path.join(other, rel), "rb") as b:
-            assert a.read() == b.read(), rel
-
-
 # ----------------------------------------------------------------------------- fused and padded
 
 # Two tensor-parallel ranks hold a grouped fused qkv (2 query groups: per group 4 q rows, 2 k

@@ -28,6 +28,7 @@ BOUND = 1.25
 GOLDEN = GOLDENS / "v2" / "basic"
 CRC = 4  # crc32c after every inner chunk and after each shard index
 INDEX_ENTRY = 16  # (offset, length) as two uint64 per inner chunk
+BINDING = 32  # the binding block read with each shard's index (format version 6, section 5.4)
 
 
 def full_array(shape: tuple[int, ...]) -> torch.Tensor:
@@ -55,7 +56,7 @@ def chunk_accounting(info: lc.ArrayInfo, box) -> int:
     shard, inner = info.shard_shape, info.inner_chunk_shape
     itemsize = info.dtype.itemsize
     chunk_bytes = itemsize * math.prod(inner) + CRC
-    index_bytes = INDEX_ENTRY * math.prod(s // c for s, c in zip(shard, inner)) + CRC
+    index_bytes = INDEX_ENTRY * math.prod(s // c for s, c in zip(shard, inner)) + CRC + BINDING
     total = 0
     ranges = [range(a // s, -(-b // s)) for (a, b), s in zip(box, shard)]
     for cell in itertools.product(*ranges):
@@ -143,6 +144,7 @@ def test_a_large_read_in_one_shard_streams_through_it_into_the_result(tmp_path, 
     )
     assert len(reads) == 1 and reads[0][0] == box and reads[0][1] is got and reads[0][2] == {"prefetch": True}
     index_bytes = INDEX_ENTRY * math.prod(s // c for s, c in zip(info.shard_shape, info.inner_chunk_shape)) + CRC
+    index_bytes += BINDING
     assert view.nbytes <= fetched <= chunk_accounting(info, box) + index_bytes
 
     # An object store (memory:// stands for one): TensorStore copies each piece into its rows of the result.

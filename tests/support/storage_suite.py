@@ -10,12 +10,14 @@ TensorStore reads back, and the box reader reads exactly the stored elements and
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
 import layoutckpt as lc
 from layoutckpt.base._options import DEFAULT_IO
 from layoutckpt.engine._read import BoxRead, read_into
+from layoutckpt.format._shard import BINDING_BYTES, binding, index_bytes
 from layoutckpt.storage._commit import new_token
 from layoutckpt.storage._location import Location, locate
 
@@ -72,7 +74,7 @@ class LocationTests:
 
     def test_the_box_reader_reads_exactly_the_stored_elements(self):
         url = self.new_url()
-        full = np.arange(40 * 24, dtype=np.float32).reshape(40, 24)
+        full = np.arange(43 * 24, dtype=np.float32).reshape(43, 24)
         lc.save(url, {"w": full}, inner_chunk_bytes=8 * 24 * 4)
         rd = lc.open(url)
         meta = rd.meta.arrays["w"]
@@ -106,22 +108,36 @@ class LocationTests:
             lc.open(url)
 
     def test_the_box_writer_stores_whole_shards_and_parts_of_shards(self):
-        """A box that is a whole shard, and the same shard as two parts (TensorStore's path on
-        every store), are stored byte for byte as ``save`` stores them."""
+        """A box that is a whole shard is stored byte for byte as ``save`` stores it, binding
+        block included; the same shard as two parts (TensorStore's path on every store) is
+        stored so for an unbound array (without the block), and refused for a bound one, whose
+        block TensorStore cannot write. The last inner chunk overhangs the array's edge, so its
+        padding is compared too."""
         url = self.new_url()
-        full = np.arange(40 * 24, dtype=np.float32).reshape(40, 24)
+        full = np.arange(43 * 24, dtype=np.float32).reshape(43, 24)
         lc.save(url, {"w": full}, inner_chunk_bytes=8 * 24 * 4)
         final = locate(url)
         meta = lc.open(url).meta.arrays["w"]
+        assert meta.bound_to is not None
         key = f"{meta.path}/{meta.chunk_key((0, 0))}"
-        for boxes in ([((0, 40), (0, 24))], [((0, 13), (0, 24)), ((13, 40), (0, 24))]):
+        saved = final.read(key)
+        assert saved is not None
+        at = len(saved) - index_bytes(meta.shard_shape, meta.inner_chunk_shape) - BINDING_BYTES
+        assert saved[at : at + BINDING_BYTES] == binding(meta.bound_to, meta.path, (0, 0))
+        whole, parts = [((0, 43), (0, 24))], [((0, 13), (0, 24)), ((13, 43), (0, 24))]
+        unbound = attrs.evolve(meta, bound_to=None)
+        for boxes, a, want in ((whole, meta, saved), (parts, unbound, saved[:at] + saved[at + BINDING_BYTES :])):
             staging = final.staging(new_token())
             sources = [_Held(full[tuple(slice(a, b) for a, b in box)]) for box in boxes]
             with staging.box_writer(DEFAULT_IO) as writer:
                 for box, source in zip(boxes, sources):
-                    writer.write(meta, box, source)
+                    writer.write(a, box, source)
                 assert writer.join() == full.nbytes
-            assert staging.read(key) == final.read(key)
+            assert staging.read(key) == want
+        staging = final.staging(new_token())
+        with staging.box_writer(DEFAULT_IO) as writer, pytest.raises(ValueError, match="binding block"):
+            writer.write(meta, parts[0], _Held(full[:13]))
+        staging.discard()
 
 
 class _Held:
