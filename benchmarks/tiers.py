@@ -1,7 +1,7 @@
 """Multi-tier checkpoints in a training loop: what a checkpoint every step costs the step.
 
     .venv/bin/python benchmarks/tiers.py [--ranks 2] [--dim 512] [--layers 4] [--steps 20]
-        [--repeats 3] [--local memory] [--dir /tmp] [--json out.json]
+        [--repeats 3] [--local memory] [--durable dir] [--dir /tmp] [--json out.json]
 
 N local gloo ranks train a small Llama-like model data-parallel (gradients all-reduced, AdamW),
 and time every step in three modes, alternated repeat by repeat in one run so that the
@@ -9,21 +9,27 @@ machine's drift falls on all of them:
 
 - ``none``: no checkpoint;
 - ``tiers``: ``CheckpointManager(durable, local=..., persist_every=10)`` saves model and
-  optimizer every step to the fast tier (``--local memory``: host memory; ``shm``: a directory
-  per rank under /dev/shm; ``disk``: under ``--dir``), and persists every 10th step to the
-  durable tier (a directory under ``--dir``) in the background;
+  optimizer every step to the fast tier (``--local memory``: host memory, each piece held as
+  the host arrays the save copied into; ``shm``: a directory per rank under /dev/shm; ``disk``:
+  under ``--dir``), and persists every 10th step to the durable tier in the background (``--durable
+  dir``: a directory under ``--dir``; ``s3``: the loopback S3 server the tests use, moto, whose
+  Python process shares the cores with the ranks, so read its step times with that in mind);
 - ``dcp``: PyTorch DCP ``async_save`` every step (each waits for the previous, as DCP requires).
 
 It reports the median step time of each mode (the maximum over ranks of each rank's median over
 its steps, then the median over repeats), the ratio to ``none``, and for ``tiers`` the copy into
 host memory (the part of the save the loop waits for) next to the step time. Then it restores the
-newest step from the fast tier and a persisted step from the durable tier, and reports both
-times and their ratio. There is no GPU here: the copy runs on the caller's thread on the CPU.
+newest step from the fast tier and a persisted step from the durable tier, each twice: into fresh
+arrays (``mgr.load(layout)``: the new memory's page faults are paid whichever tier serves it) and
+into the live model and optimizer (``like=state, inplace=True``, as a job restoring into the model
+it built), and reports the times and their ratios. There is no GPU here: the copy runs on the
+caller's thread on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -36,6 +42,8 @@ import uuid
 from typing import Any
 
 MODES = ("none", "tiers", "dcp")
+RESTORES = ("fresh", "inplace")
+BUCKET = "lc-bench"
 
 
 def _model(dim: int, layers: int, vocab: int) -> Any:
@@ -112,6 +120,8 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
         for mode in MODES:
             run = f"{rep}-{mode}"
             durable = os.path.join(opts["work"], f"durable-{run}")
+            if opts["durable"] == "s3" and mode == "tiers":
+                durable = f"s3://{BUCKET}/{opts['id']}/durable-{run}"
             times, copies = [], []
             mgr = None
             if mode == "tiers":
@@ -143,11 +153,16 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                 # A step only the durable tier holds (the fast tier keeps the last two).
                 with lc.CheckpointManager(durable) as plain:
                     persisted = min(plain.steps())
-                restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist))
-                if opts["local"] != "memory":
-                    shutil.rmtree(local.format(run=run).replace("{rank}", str(rank)), ignore_errors=True)
+                restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist, state))
+                mine = local.format(run=run).replace("{rank}", str(rank))
+                if opts["local"] == "memory":  # the held pieces stay for the process otherwise
+                    from layoutckpt.storage._location import locate
+
+                    locate(mine).discard()
+                else:
+                    shutil.rmtree(mine, ignore_errors=True)
             dist.barrier()
-            if rank == 0:
+            if rank == 0 and "://" not in durable:  # S3's objects go with its server
                 shutil.rmtree(durable, ignore_errors=True)
                 if mode == "tiers" and opts["local"] != "memory":  # the folder of the ranks' folders
                     shutil.rmtree(os.path.dirname(local.format(run=run)), ignore_errors=True)
@@ -155,18 +170,21 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
     dist.destroy_process_group()
 
 
-def _restore(lc: Any, durable: str, local: str, layout: Any, persisted: int, dist: Any) -> dict[str, float]:
+def _restore(lc: Any, durable: str, local: str, layout: Any, persisted: int, dist: Any, state: Any) -> dict[str, float]:
+    """Seconds of each restore: ``fast`` (the newest step, from the fast tier) and ``durable``
+    (a step only the durable tier holds), each into fresh arrays and in place."""
+    times = {}
     with lc.CheckpointManager(durable, local=local) as mgr:
-        dist.barrier()
-        t0 = time.perf_counter()
-        mgr.load(layout)
-        fast = time.perf_counter() - t0
-        dist.barrier()
-        t0 = time.perf_counter()
-        mgr.load(layout, step=persisted)
-        slow = time.perf_counter() - t0
-        assert mgr.tier_metrics().restored_from == "durable"
-    return {"fast": fast, "durable": slow}
+        for restore in RESTORES:
+            into = {"like": state(), "inplace": True} if restore == "inplace" else {}
+            for tier, step, source in (("fast", None, "local"), ("durable", persisted, "durable")):
+                dist.barrier()
+                t0 = time.perf_counter()
+                out = mgr.load(layout, step=step, **into)
+                times[f"{tier}_{restore}"] = time.perf_counter() - t0
+                assert mgr.tier_metrics().restored_from == source
+                del out  # freed before the next restore allocates
+    return times
 
 
 def _nbytes(state: Any) -> int:
@@ -192,9 +210,18 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         }
     for mode in MODES:
         rows[mode]["vs_none"] = rows[mode]["step_s"] / rows["none"]["step_s"]
-    fast = statistics.median(max(r["restore"][i]["fast"] for r in per_rank) for i in range(repeats))
-    slow = statistics.median(max(r["restore"][i]["durable"] for r in per_rank) for i in range(repeats))
-    return {"rows": rows, "restore": {"fast_s": fast, "durable_s": slow, "durable_over_fast": slow / fast}}
+    restore = {}
+    for kind in RESTORES:
+        fast = [max(r["restore"][i][f"fast_{kind}"] for r in per_rank) for i in range(repeats)]
+        slow = [max(r["restore"][i][f"durable_{kind}"] for r in per_rank) for i in range(repeats)]
+        ratios = [s / f for s, f in zip(slow, fast)]
+        restore[kind] = {
+            "fast_s": statistics.median(fast),
+            "durable_s": statistics.median(slow),
+            "durable_over_fast": statistics.median(ratios),
+            "ratio_spread": [min(ratios), max(ratios)],
+        }
+    return {"rows": rows, "restore": restore}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -208,9 +235,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--local", choices=("memory", "shm", "disk"), default="memory")
+    ap.add_argument("--durable", choices=("dir", "s3"), default="dir")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.durable == "s3":
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            from tests.support.s3server import running
+
+            stack.enter_context(running(BUCKET))  # its variables reach the ranks through os.environ
+        summary = _run(args)
+    _print(args, summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **summary}, f, indent=2)
+    return summary
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     work = tempfile.mkdtemp(prefix="lc-tiers-", dir=args.dir)
@@ -235,22 +278,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     summary = _summary([per_rank[r] for r in range(args.ranks)])
     summary["state_mb_per_rank"] = per_rank[0]["state_bytes"] / 2**20
+    return summary
+
+
+def _print(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     print(
-        f"{args.ranks} ranks, {summary['state_mb_per_rank']:.1f} MiB of model+optimizer per rank, local tier {args.local}"
+        f"{args.ranks} ranks, {summary['state_mb_per_rank']:.1f} MiB of model+optimizer per rank, "
+        f"local tier {args.local}, durable tier {args.durable}"
     )
     print(f"{'mode':8} {'step (s)':>10} {'vs none':>8} {'copy (s)':>10}  spread over {args.repeats} repeats")
     for mode, row in summary["rows"].items():
         print(
             f"{mode:8} {row['step_s']:10.4f} {row['vs_none']:8.3f} {row['copy_s']:10.4f}  {row['spread'][0]:.4f}-{row['spread'][1]:.4f}"
         )
-    r = summary["restore"]
-    print(
-        f"restore: fast tier {r['fast_s']:.4f} s, durable tier {r['durable_s']:.4f} s, durable/fast {r['durable_over_fast']:.2f}x"
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), **summary}, f, indent=2)
-    return summary
+    for kind, r in summary["restore"].items():
+        print(
+            f"restore {kind:8}: fast tier {r['fast_s']:.4f} s, durable tier {r['durable_s']:.4f} s, "
+            f"durable/fast {r['durable_over_fast']:.2f}x ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ def locate(path: str | os.PathLike[str] | Mapping[str, Any] | Location) -> Locat
     if not sep or scheme == "file":
         return LocalDir(Path(rest if sep else text).absolute())
     if scheme == "memory":
+        from ._held import held_at  # a memory tier's root holds host arrays (``_held``)
+
+        held = held_at(text)
+        if held is not None:
+            return held
         return KvPrefix({"driver": "memory", "path": _as_prefix(rest)}, text)
     if scheme in ("s3", "gs"):
         bucket, _, prefix = rest.partition("/")

@@ -7,7 +7,10 @@
 A piece is an ordinary layoutckpt checkpoint of the arrays one rank holds, as a world of one
 would save them (each local shard whole, mesh ``{}``): ``lc.open`` and the command line read
 it. It is committed as every checkpoint is (the marker last, a rename on a file system), so a
-rank that dies mid-write leaves its previous pieces intact. Its user metadata carries
+rank that dies mid-write leaves its previous pieces intact. A ``memory://`` tier holds a piece
+as the host arrays the save copied the state into (``storage._held``): nothing is encoded, a
+restore copies boxes straight out of them, and the buffers go back to the tier's pool when the
+piece is retired; in this process, ``lc.open`` and ``lc.load`` read it by its URL all the same. Its user metadata carries
 ``TIER_KEY``: the rank, the world size and the layout it was saved under, which a restore
 checks before it takes the piece for that rank.
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +38,10 @@ from ..format._format import ArrayMeta, CheckpointMeta, parse_root_document, roo
 from ..layout import _plan
 from ..layout._spec import Mesh, P
 from ..layout._tree import name_to_path
-from ..storage import _store
+from ..storage import _held, _store
 from ..storage._commit import new_token
 from ..storage._location import Location, locate
-from ..torch._staging import Staged
-from ..torch._tensors import tensor_zarr_dtype, torch_dtype
+from ..torch._tensors import tensor_zarr_dtype, to_numpy, torch_dtype
 from ..torch._torch import is_tensor, torch
 
 TIER_KEY = "layoutckpt.tier"
@@ -78,9 +82,11 @@ def as_bytes(data: Any) -> Any:
 
 
 def array_meta(name: str, shape: tuple[int, ...], dtype: str, itemsize: int, kind: str) -> ArrayMeta:
-    """A piece's array: one shard, the whole local tensor."""
-    chunk = _plan.chunk_shape_for(shape, itemsize, _INNER_CHUNK_BYTES)
-    return ArrayMeta(name_to_path(name), shape, dtype, shape, chunk, P(), kind)
+    """A piece's array: one shard, the whole local tensor (at least 1 along each dimension, as
+    the format requires: an empty tensor's shard stores nothing)."""
+    shard = tuple(max(1, n) for n in shape)
+    chunk = _plan.chunk_shape_for(shard, itemsize, _INNER_CHUNK_BYTES)
+    return ArrayMeta(name_to_path(name), shape, dtype, shard, chunk, P(), kind)
 
 
 def leaf_meta(name: str, leaf: Any) -> ArrayMeta:
@@ -127,34 +133,75 @@ def piece_from_header(header: bytes, where: str) -> tuple[CheckpointMeta, bytes 
     return parse_root_document(body["root"].encode(), where), doc.encode() if doc is not None else None
 
 
-def write_piece(final: Location, piece: Piece, io: IOConfig) -> int:
+def write_piece(final: Location, piece: Piece, io: IOConfig, done: Callable[[], None] | None = None) -> int:
     """Write ``piece`` at ``final`` and commit it; the array bytes written. A piece already
-    there (a step saved again after a restart) is replaced."""
-    if final.committed():
-        final.retire()
-    if final.is_local:
-        Path(final.url).parent.mkdir(parents=True, exist_ok=True)
-    final.prepare()
-    tmp = final.staging(new_token())
+    there (a step saved again after a restart) is replaced.
+
+    ``done`` runs once ``final`` no longer needs the piece's host arrays: when they are written,
+    for a directory; when the piece is retired or replaced, for a memory tier, which keeps the
+    arrays themselves; when the write fails, for what the location did not keep."""
+    loan = _Loan(done)
     try:
-        written = _write_arrays(tmp, piece, io)
-        final.commit(tmp, root_document(piece.meta), overwrite=False)
-    except BaseException:
-        tmp.discard()
-        raise
+        if final.committed():
+            final.retire()
+        if final.is_local:
+            Path(final.url).parent.mkdir(parents=True, exist_ok=True)
+        final.prepare()
+        tmp = final.staging(new_token())
+        try:
+            written = _write_arrays(tmp, piece, io, loan)
+            final.commit(tmp, root_document(piece.meta), overwrite=False)
+        except BaseException:
+            tmp.discard()
+            loan.recall()
+            raise
+    finally:
+        loan.seal()
     return written
 
 
-def _write_arrays(tmp: Location, piece: Piece, io: IOConfig) -> int:
+class _Loan:
+    """A piece's host arrays lent to a location (``storage._held.Lent``): ``done`` runs once every
+    one is given back and no more are lent."""
+
+    def __init__(self, done: Callable[[], None] | None) -> None:
+        self._done = done
+        self._out = 1  # the lender's own count, until ``seal``
+        self._lent: list[_held.Lent] = []
+        self._lock = threading.Lock()
+
+    def lend(self, data: np.ndarray) -> _held.Lent:
+        with self._lock:
+            self._out += 1
+        self._lent.append(_held.Lent(data, self._back))
+        return self._lent[-1]
+
+    def recall(self) -> None:
+        """The write failed: what the writer still keeps (a shard it never started) comes back."""
+        for source in self._lent:
+            source.release()  # once per source: a second call does nothing
+
+    def seal(self) -> None:
+        self._back()
+
+    def _back(self) -> None:
+        with self._lock:
+            self._out -= 1
+            last = self._out == 0
+        if last and self._done is not None:
+            self._done()
+
+
+def _write_arrays(tmp: Location, piece: Piece, io: IOConfig, loan: _Loan) -> int:
     writer = tmp.box_writer(io)
     try:
         for name, a in piece.meta.arrays.items():
             box = _plan.shard_box(a.shape, P(), Mesh({}), 0)
             if _plan.box_size(box) == 0:
                 continue  # nothing to store; a load of the piece reads nothing for it either
-            item = Staged(piece.arrays[name])
-            item.view()  # the host copy is the piece's own: written as it is, no second copy
-            writer.write(a, box, item)
+            # The host copy is the piece's own: written as it is (or kept), no second copy.
+            data = piece.arrays[name]
+            writer.write(a, box, loan.lend(to_numpy(data) if is_tensor(data) else np.asarray(data)))
         tmp.write_many(hierarchy.documents(piece.meta))
         if piece.rank_doc is not None:
             tmp.write(_rankstate.file_name(0), piece.rank_doc)
@@ -179,6 +226,8 @@ class LocalTier:
     """The fast tier of one rank, at ``url`` (its ``{rank}`` already filled in)."""
 
     def __init__(self, url: str, io: IOConfig) -> None:
+        if url.startswith(_held.SCHEME):
+            _held.register(url)  # pieces here are held as host arrays, not encoded (``_held``)
         self.root = locate(url)
         self.io = io
         if self.root.is_local:

@@ -15,6 +15,7 @@ tier never holds up the loop, and no due step is lost to a short delay. A persis
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -313,7 +314,10 @@ class Tiers:
             job.copied.wait()
             if job.error is not None:
                 raise job.error
-            written = write_piece(self.tier.piece(job.step), job.staging.piece, self.io)
+            # The piece's own hold on the host copy: a memory tier keeps the buffers themselves
+            # until it retires the piece, when they go back to the pool for a later save.
+            job.staging.hold()
+            written = write_piece(self.tier.piece(job.step), job.staging.piece, self.io, done=job.staging.drop)
         except BaseException as err:  # noqa: BLE001 - settles the future below
             error = err
         self._record(write_seconds=time.perf_counter() - start)
@@ -346,13 +350,21 @@ class Tiers:
         """Wait for this round's sends and receives; keep the predecessor's piece on this tier."""
         assert self.replicator is not None
         job.posted.wait()
+        received, job.held = job.held, []
+        give_back = functools.partial(self._give_back, received)
+        lent = False
         try:
             wait_all(job.works)
             if job.incoming is not None:
                 pred = self.replicator.pred
-                write_piece(self.tier.piece(job.step, pred), job.incoming, self.io)
+                # Held as received (a memory tier): the receive buffers go back once it is retired.
+                lent = True
+                write_piece(self.tier.piece(job.step, pred), job.incoming, self.io, done=give_back)
                 self.tier.retire(self.keep_last, pred)
         finally:
-            for buf in job.held:
-                self._pool(False).release(buf)
-            job.held.clear()
+            if not lent:
+                give_back()
+
+    def _give_back(self, buffers: list[Any]) -> None:
+        for buf in buffers:
+            self._pool(False).release(buf)

@@ -1,8 +1,9 @@
 """Copy a rank's state into host buffers that become the fast tier's piece of one step.
 
 The copy is all the training loop waits for (or, with ``lazy``, all that ``wait_staged`` waits
-for). Buffers come from the tier's own pool and go back once the piece is written, replicated
-and persisted, so a loop that checkpoints every step allocates nothing after the first steps.
+for). Buffers come from the tier's own pool and go back once the piece is written (a memory
+tier keeps them as the piece itself: once it is retired), replicated and persisted, so a loop
+that checkpoints every step allocates nothing after the first steps.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ._local import Piece, leaf_meta, piece_meta
 @attrs.define(eq=False)
 class Staging:
     """One step's piece and the copies that fill it; ``holds`` counts who still reads its
-    buffers (the tier's writer, a persist), which go back to the pool when it reaches 0."""
+    buffers (the tier's writer, the piece a memory tier keeps, a persist), which go back to the
+    pool when it reaches 0."""
 
     piece: Piece
     leaves: dict[str, Any]  # the state's leaves: JSON values as given, arrays as host copies

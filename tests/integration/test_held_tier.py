@@ -1,0 +1,303 @@
+"""A ``memory://`` fast tier holds each piece as the host arrays the save copied the state into
+(``storage._held``): restores copy boxes straight out of them, bit for bit, through the held
+reader (never TensorStore); the buffers go back to the tier's pool when a piece is retired and
+the next saves reuse them; a piece that is gone or damaged falls back to the durable tier; and
+``lc.open``, ``lc.load`` and ``mgr.reader()`` read a held piece by its URL. Other ``memory://``
+URLs stay TensorStore's memory store.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import layoutckpt as lc
+from layoutckpt.base import _faults
+from layoutckpt.base._options import DEFAULT_IO
+from layoutckpt.engine._read import BoxRead, read_into
+from layoutckpt.storage import _held
+from layoutckpt.storage._location import KvPrefix, locate
+from layoutckpt.storage._readers import TensorStoreReader
+from tests.support.storage_suite import LocationTests
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(100 + step)
+    return {
+        "w": torch.randn(64, 48, generator=g),
+        "e": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "n": np.arange(12, dtype=np.int32).reshape(3, 4) * step,
+        "empty": torch.zeros(0, 3),
+        "step": step,
+    }
+
+
+def assert_state(out: dict, step: int) -> None:
+    want = state(step)
+    assert out["step"] == step
+    for k in ("w", "e", "empty"):
+        assert out[k].dtype == want[k].dtype and out[k].shape == want[k].shape, k
+        assert torch.equal(out[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+    assert np.array_equal(out["n"], want["n"]) and out["n"].dtype == want["n"].dtype
+
+
+def memory_url() -> str:
+    return f"memory://held-{uuid.uuid4().hex[:8]}/{{rank}}"
+
+
+@pytest.fixture
+def no_tensorstore_reads(monkeypatch):
+    """Any read through TensorStore fails: a restore that passes went through the held reader."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a held piece was read through TensorStore")
+
+    monkeypatch.setattr(TensorStoreReader, "start", refuse)
+    monkeypatch.setattr(TensorStoreReader, "read", refuse)
+
+
+def steady_saves(mgr: lc.CheckpointManager, steps: range) -> set[int]:
+    """Save ``steps`` one after the other (each committed before the next); the addresses of
+    every host buffer the tier's pool handed out meanwhile."""
+    mgr.save(steps[0], state(steps[0]), lc.Layout.replicated()).result()  # makes the pool
+    pool = mgr._tiers._pool(False)
+    seen: set[int] = set()
+    acquire = pool.acquire
+
+    def recording(nbytes: int):
+        buf = acquire(nbytes)
+        seen.add(buf.data_ptr())
+        return buf
+
+    pool.acquire = recording
+    for step in steps[1:]:
+        mgr.save(step, state(step), lc.Layout.replicated()).result()
+    return seen
+
+
+# --- one process -----------------------------------------------------------------------------------
+
+
+def test_a_memory_tier_restores_bit_exact_through_the_held_reader(tmp_path, no_tensorstore_reads):
+    local = memory_url()
+    layout = lc.Layout.replicated()
+    with lc.CheckpointManager(tmp_path / "d", local=local, persist_every=100) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step), layout, metadata={"at": step}, rank_state={"pos": step}).result()
+        url = mgr._tiers.tier.piece(3).url
+        assert isinstance(locate(url), _held.HeldPrefix) and locate(url).committed()
+        assert_state(mgr.load(layout), 3)
+        assert mgr.tier_metrics().restored_from == "local"
+        assert mgr.load_rank_state() == {"pos": 3} and mgr.metadata() == {"at": 3}
+        assert_state(mgr.load(layout, step=2), 2)
+    # A later manager in the same process restores what the first one held.
+    with lc.CheckpointManager(tmp_path / "d", local=local, persist_every=100) as mgr:
+        assert mgr.latest_step() == 3 and mgr.local_steps() == [2, 3]
+        assert_state(mgr.load(layout), 3)
+
+
+def test_a_held_piece_is_the_staged_host_copy_itself(tmp_path):
+    with lc.CheckpointManager(tmp_path / "d", local=memory_url(), persist_every=100) as mgr:
+        seen = steady_saves(mgr, range(1, 4))
+        piece = locate(mgr._tiers.tier.piece(3).url)
+        meta = lc.open(piece.url).meta.arrays
+        for name in ("w", "e", "n"):
+            held = piece.array(meta[name]).data
+            assert held.ctypes.data in seen, name  # kept as the pool's buffer: no copy
+
+
+def test_buffers_go_back_at_retirement_and_the_next_saves_reuse_them(tmp_path):
+    with lc.CheckpointManager(tmp_path / "d", local=memory_url(), local_keep_last=2, persist_every=100) as mgr:
+        seen = steady_saves(mgr, range(1, 41))
+        pool = mgr._tiers._pool(False)
+        one_set = sum(a.nbytes for k, a in state(0).items() if k in ("w", "n")) + state(0)["e"].nbytes
+        # Two pieces held and one being saved: three sets of buffers, however many saves.
+        assert len(seen) <= 3 * 3
+        assert pool.held_bytes <= 3 * one_set
+        assert mgr.local_steps() == [39, 40]
+
+
+def test_persists_and_held_pieces_share_the_host_copy_safely(tmp_path):
+    with lc.CheckpointManager(
+        tmp_path / "d", local=memory_url(), local_keep_last=2, persist_every=3, keep_last=2
+    ) as mgr:
+        for step in range(1, 16):
+            mgr.save(step, state(step), lc.Layout.replicated())
+        mgr.wait()
+        assert mgr.steps() == [12, 15] or mgr.tier_metrics().persists_skipped > 0
+        for step in mgr.steps():
+            assert_state(lc.load(mgr.path(step)), step)
+        for step in mgr.local_steps():
+            assert_state(lc.load(mgr._tiers.tier.piece(step).url), step)
+
+
+def test_retire_drops_the_piece_and_a_reader_of_it_fails_rather_than_read_reused_memory(tmp_path):
+    with lc.CheckpointManager(tmp_path / "d", local=memory_url(), local_keep_last=2, persist_every=100) as mgr:
+        mgr.save(1, state(1), lc.Layout.replicated()).result()
+        url = mgr._tiers.tier.piece(1).url
+        rd = lc.open(url)
+        assert np.array_equal(rd.read("n"), state(1)["n"])
+        free = mgr._tiers._pool(False)._free_bytes
+        for step in (2, 3):
+            mgr.save(step, state(step), lc.Layout.replicated()).result()
+        piece = locate(url)
+        assert not piece.committed() and not piece.exists() and piece.keys() == []
+        assert mgr._tiers._pool(False)._free_bytes > free  # step 1's buffers are back in the pool
+        with pytest.raises(lc.IntegrityError, match="not held"):
+            rd.read("w")
+        with pytest.raises(lc.CheckpointNotFoundError):
+            lc.open(url)
+
+
+def test_a_failed_write_keeps_the_earlier_pieces_and_gives_its_buffers_back(tmp_path):
+    def fail(**_):
+        raise OSError("out of memory for the tier")
+
+    layout = lc.Layout.replicated()
+    with lc.CheckpointManager(tmp_path / "d", local=memory_url(), persist_every=100) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step), layout).result()
+        pool = mgr._tiers._pool(False)
+        held = pool._used_bytes  # the two pieces' buffers
+        with _faults.hooks({"save.box_written": fail}):
+            with pytest.raises(lc.SaveError, match="out of memory for the tier"):
+                mgr.save(3, state(3), layout).result()
+        assert pool._used_bytes == held  # step 3's buffers are back in the pool
+        assert mgr.local_steps() == [1, 2] and not locate(mgr._tiers.tier.piece(3).url).exists()
+        assert_state(mgr.load(layout), 2)
+        mgr.save(3, state(3), layout).result()
+        assert_state(mgr.load(layout), 3)
+
+
+def test_a_gone_or_damaged_piece_falls_back_to_the_durable_tier(tmp_path):
+    local = memory_url()
+    layout = lc.Layout.replicated()
+    with lc.CheckpointManager(tmp_path / "d", local=local, persist_every=2) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, state(step), layout)
+            mgr.wait()
+        assert mgr.local_steps() == [3, 4] and mgr.steps() == [2, 4]
+    tier = locate(local.replace("{rank}", "0"))
+    tier.write("step_00000004/zarr.json", b"{not json")  # a damaged marker: not a piece to restore
+    with lc.CheckpointManager(tmp_path / "d", local=local, persist_every=2) as mgr:
+        assert_state(mgr.load(layout), 4)
+        assert mgr.tier_metrics().restored_from == "durable"
+        assert_state(mgr.load(layout, step=3), 3)
+        assert mgr.tier_metrics().restored_from == "local"
+    tier.discard()  # the tier is lost (as when the process ends)
+    with lc.CheckpointManager(tmp_path / "d", local=local, persist_every=2) as mgr:
+        assert mgr.local_steps() == []
+        assert_state(mgr.load(layout), 4)
+        assert mgr.tier_metrics().restored_from == "durable"
+
+
+def test_a_held_piece_opens_as_any_checkpoint(tmp_path, no_tensorstore_reads):
+    with lc.CheckpointManager(tmp_path / "d", local=memory_url(), persist_every=100) as mgr:
+        mgr.save(5, state(5), lc.Layout.replicated()).result()
+        url = mgr._tiers.tier.piece(5).url
+        with lc.open(url) as rd:
+            assert rd.step == 5 and sorted(rd.keys()) == ["e", "empty", "n", "w"]
+            assert torch.equal(rd.read_torch("w")[3:9, 7:11], state(5)["w"][3:9, 7:11])
+            out = torch.empty(7, 5, dtype=torch.bfloat16)
+            rd.read_torch("e", out=out)
+            assert torch.equal(out.view(torch.int16), state(5)["e"].view(torch.int16))
+            with pytest.raises(ValueError, match="held as host arrays"):
+                rd.tensorstore("w")
+        with mgr.reader() as rd:
+            assert rd.step == 5 and np.array_equal(rd.read("n"), state(5)["n"])
+        assert_state(lc.load(url), 5)
+
+
+def test_other_memory_urls_stay_tensorstore_and_tiers_do_not_nest():
+    name = f"held-{uuid.uuid4().hex[:8]}"
+    _held.register(f"memory://{name}/0")
+    assert isinstance(locate(f"memory://{name}/0/step_00000001"), _held.HeldPrefix)
+    assert isinstance(locate(f"memory://{name}/1"), KvPrefix)
+    assert isinstance(locate(f"memory://{name}/00"), KvPrefix)
+    with pytest.raises(ValueError, match="give each tier a prefix of its own"):
+        _held.register(f"memory://{name}")
+    with pytest.raises(ValueError, match="give each tier a prefix of its own"):
+        _held.register(f"memory://{name}/0/inner")
+
+
+class TestHeldLocation(LocationTests):
+    """The storage conformance suite on a held root (ordinary saves into it are copied once)."""
+
+    def new_url(self) -> str:
+        root = f"memory://held-conformance-{uuid.uuid4().hex[:8]}"
+        _held.register(root)
+        return f"{root}/ck"
+
+    def test_the_box_reader_names_the_damaged_array(self):
+        url = self.new_url()
+        lc.save(url, {"w": np.arange(64, dtype=np.int64)})
+        loc = locate(url)
+        loc.root.delete(loc.prefix + "w")  # the array is gone, its documents remain
+        with pytest.raises(lc.IntegrityError, match=r"array 'w' of checkpoint .* is damaged"):
+            lc.open(url).read("w")
+
+    def test_the_box_writer_stores_whole_shards_and_parts_of_shards(self):
+        """A whole array and the same array as two parts are held alike; a source that is not
+        lent is copied and given back at once."""
+        url = self.new_url()
+        full = np.arange(40 * 24, dtype=np.float32).reshape(40, 24)
+        lc.save(url, {"w": full})
+        meta = lc.open(url).meta.arrays["w"]
+        for n, boxes in enumerate(([((0, 40), (0, 24))], [((0, 13), (0, 24)), ((13, 40), (0, 24))])):
+            staging = locate(f"{url}-{n}")
+            sources = [_Given(full[tuple(slice(a, b) for a, b in box)].copy()) for box in boxes]
+            with staging.box_writer(DEFAULT_IO) as writer:
+                for box, source in zip(boxes, sources):
+                    writer.write(meta, box, source)
+                assert writer.join() == full.nbytes
+            assert all(s.released for s in sources)
+            reader = staging.box_reader(staging.url, True, DEFAULT_IO)
+            assert np.array_equal(read_into(reader, [BoxRead("w", meta, ((3, 31), (2, 20)))])[0], full[3:31, 2:20])
+
+
+class _Given:
+    """A source that is not lent: the writer copies it and releases it at once."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data, self.released = data, False
+
+    def wait(self) -> np.ndarray:
+        return self.data
+
+    def release(self) -> None:
+        self.released = True
+
+
+# --- two ranks: the replica on a peer is held too ----------------------------------------------------
+
+
+def _save_then_lose(rank, group, name, durable, lose):
+    local = f"memory://{name}/{{rank}}"
+    layout = lc.Layout(lc.Mesh({"tp": 2}), [(r"^w$", lc.P("tp", None)), (r".*", lc.P())])
+
+    def mine(step):
+        s = state(step)
+        return {**s, "w": s["w"].chunk(2)[rank].clone()}
+
+    with lc.CheckpointManager(durable, local=local, replicas=1, persist_every=100, group=group) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, mine(step), layout).result()
+        mgr.wait()
+    replica = locate(f"memory://{name}/{rank}/replica_{1 - rank:05d}/step_00000005")
+    assert isinstance(replica, _held.HeldPrefix) and replica.committed()
+    if rank == lose:
+        locate(local.format(rank=rank)).discard()
+    with lc.CheckpointManager(durable, local=local, replicas=1, persist_every=100, group=group) as mgr:
+        out = mgr.load(layout)
+        want = mine(5)
+        exact = all(torch.equal(out[k].view(torch.uint8), want[k].view(torch.uint8)) for k in ("w", "e"))
+        return mgr.tier_metrics().restored_from, out["step"], exact, mgr.local_steps()
+
+
+def test_a_rank_that_lost_its_memory_tier_restores_from_the_peer_replica(ranks, tmp_path):
+    got = ranks.run(_save_then_lose, 2, uuid.uuid4().hex[:8], os.fspath(tmp_path / "d"), 1)
+    assert got == [("local", 5, True, [4, 5]), ("peer", 5, True, [5])]
