@@ -159,10 +159,18 @@ def save_async(
 
 
 def start(
-    path: str | os.PathLike[str] | Location, state: Any, layout: Layout | None, options: SaveOptions, *, copy: bool
+    path: str | os.PathLike[str] | Location,
+    state: Any,
+    layout: Layout | None,
+    options: SaveOptions,
+    *,
+    copy: bool,
+    private: bool = False,
 ) -> SaveFuture:
     """The save ``options`` describe: with ``copy``, as ``save_async`` (staged, then written in
-    the background); without, as ``save`` (written from the live tensors before this returns)."""
+    the background); without, as ``save`` (written from the live tensors before this returns).
+    ``private`` (with ``copy``) says that ``state`` is a host copy nothing changes until the save
+    ends, such as a fast tier's: it is written in the background straight from that copy."""
     t0 = time.perf_counter()
     comm = comm_for(options.group)
     final = locate(path)
@@ -184,7 +192,7 @@ def start(
     # 4. Stage and write. A synchronous save writes straight from the live tensors.
     if not copy:
         return _run_now(job, items, writer_comm)
-    return _run_in_background(job, items, writer_comm, options)
+    return _run_in_background(job, items, writer_comm, options, private)
 
 
 @attrs.frozen
@@ -423,8 +431,11 @@ def _run_now(job: _Job, items: list[Staged], comm: Comm | StoreComm) -> SaveFutu
     return fut
 
 
-def _run_in_background(job: _Job, items: list[Staged], comm: Comm | StoreComm, options: SaveOptions) -> SaveFuture:
-    """``save_async``: stage (here, or on a thread with ``lazy``) while a thread writes and commits."""
+def _run_in_background(
+    job: _Job, items: list[Staged], comm: Comm | StoreComm, options: SaveOptions, private: bool
+) -> SaveFuture:
+    """``save_async``: stage (here, or on a thread with ``lazy``) while a thread writes and commits.
+    A ``private`` state is its own staging: a second copy would only take memory and cores."""
     fut = SaveFuture(job.final.url)
     stream = side_stream(items)
     if stream is not None:
@@ -443,8 +454,14 @@ def _run_in_background(job: _Job, items: list[Staged], comm: Comm | StoreComm, o
     def stage() -> None:
         start = time.perf_counter()
         try:
-            stage_all(items, budget, stream)
+            if private:
+                for s in items:
+                    s.view()
+            else:
+                stage_all(items, budget, stream)
         except BaseException as err:
+            for s in items:  # the writer may be waiting for any of them: it gets the error
+                s.fail(err)
             fut._set_staged(err)
             raise
         job.phases.since("stage", start)

@@ -242,6 +242,24 @@ def test_a_budget_also_caps_buffers_kept_from_earlier_saves(tmp_path):
     assert max(held_after_acquire) <= budget, f"the pool held {held_after_acquire} bytes under a {budget}-byte budget"
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_staging_failure_fails_the_save_and_commits_nothing(tmp_path, monkeypatch, lazy):
+    # Regression: with lazy=True a copy that failed left the writer waiting for the items it
+    # never staged, and the future never settled.
+    from layoutckpt import _save
+
+    def fail(*_a, **_k):
+        raise MemoryError("no host memory for the staging copy")
+
+    monkeypatch.setattr(_save, "stage_all", fail)
+    state = {f"x{i}": torch.arange(256, dtype=torch.float32) + i for i in range(4)}
+    started = time.monotonic()
+    with pytest.raises((lc.SaveError, MemoryError), match="no host memory"):
+        lc.save_async(tmp_path / "ck", state, lc.Layout.replicated(), lazy=lazy, timeout=30).result()
+    assert time.monotonic() - started < 20
+    assert not (tmp_path / "ck").exists()
+
+
 def reuse_full(i: int) -> torch.Tensor:
     return torch.arange((i + 1) * 4 * 8, dtype=torch.float32).reshape(-1, 8)
 
