@@ -274,10 +274,11 @@ class CheckpointManager:
         return fut
 
     def _persist(self, step: int, state: Any, layout: Layout | None, metadata: Any, rank_state: Any) -> SaveFuture:
-        """The durable tier's save of a fast-tier step: an ordinary async save of its host copy
-        (``lazy``: it copies on its own thread), with this manager's retention after it."""
+        """The durable tier's save of a fast-tier step: an ordinary async save written straight
+        from its host copy, which the tier keeps unchanged until the save ends (``private``),
+        with this manager's retention after it."""
         mine = dict(step=step, metadata=metadata, rank_state=rank_state, lazy=True)
-        fut = start(self.path(step), state, layout, _options(self._defaults, mine), copy=True)
+        fut = start(self.path(step), state, layout, _options(self._defaults, mine), copy=True, private=True)
         if self._retention is not None:
             self._retiring.append(self._retention.submit(self._retire_after, fut))
         return fut

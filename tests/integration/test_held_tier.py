@@ -135,6 +135,25 @@ def test_persists_and_held_pieces_share_the_host_copy_safely(tmp_path):
             assert_state(lc.load(mgr._tiers.tier.piece(step).url), step)
 
 
+def test_a_persist_writes_straight_from_the_fast_tier_copy(tmp_path, monkeypatch):
+    """The durable save of a step is written from the host copy the tier already holds: it
+    stages nothing (no second copy of the state), and the durable checkpoint is bit-exact."""
+    from layoutckpt import _save
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a persist staged its state a second time")
+
+    monkeypatch.setattr(_save, "stage_all", refuse)
+    with lc.CheckpointManager(tmp_path / "d", local=memory_url(), persist_every=2) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, state(step), lc.Layout.replicated())
+        mgr.wait()
+        assert mgr.tier_metrics().persists_failed == 0
+        assert mgr.steps() == [2, 4]
+        for step in mgr.steps():
+            assert_state(lc.load(mgr.path(step)), step)
+
+
 def test_retire_drops_the_piece_and_a_reader_of_it_fails_rather_than_read_reused_memory(tmp_path):
     with lc.CheckpointManager(tmp_path / "d", local=memory_url(), local_keep_last=2, persist_every=100) as mgr:
         mgr.save(1, state(1), lc.Layout.replicated()).result()
