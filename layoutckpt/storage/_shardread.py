@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 # and its offset and length in the file.
 Chunk = tuple[int, tuple[int, ...], int, int]
 
+# Adjacent runs that the page cache holds are read with one call up to this many bytes: a warm
+# read is bound by the calls and copies per run, where a cold one is better served by small runs
+# the disk can stream (``IOConfig.read_run_bytes``; docs/design/tried-and-dropped.md).
+CACHED_RUN_BYTES = 2 << 20
+
 _read_lock = threading.Lock()
 _bytes_read = 0  # every byte read_box has read in this process: a counter tests and demos show
 
@@ -191,10 +196,22 @@ class _BoxFill:
                 return sum(sizes)
             self.check(key, origin, runs[0], self.buffer[: sizes[0]])
             first = 1
-        for run, total in zip(runs[first:], sizes[first:]):
+        i = first
+        while i < len(runs):
+            j, total = _adjacent(runs, sizes, i, CACHED_RUN_BYTES)
+            if j > i + 1 and len(self.buffer) < total:
+                self.buffer = _scratch(total)
+            if j > i + 1 and _os.read_if_cached(fd, self.buffer[:total], runs[i][0][2]):
+                # Runs the page cache holds are read as one: one call, and one copy for each
+                # block of chunks side by side, instead of one of each per run.
+                self.check(key, origin, [c for run in runs[i:j] for c in run], self.buffer[:total])
+                i = j
+                continue
+            run, total = runs[i], sizes[i]
             if os.preadv(fd, [self.buffer[:total]], run[0][2]) != total:
                 raise Damaged(False, f"inner chunk {_cell(run[0][1])} of shard {key} is cut short")
             self.check(key, origin, run, self.buffer[:total])
+            i += 1
         return sum(sizes)
 
     def check(self, key: str, origin: Sequence[int], run: list[Chunk], data: np.ndarray) -> None:
@@ -303,6 +320,16 @@ class _BoxFill:
             dst.append(slice(lo - a, hi - a))
             src.append(slice(lo - start, hi - start))
         self.out[tuple(dst)] = 0 if chunk is None else chunk.reshape(self.inner)[tuple(src)]
+
+
+def _adjacent(runs: list[list[Chunk]], sizes: list[int], i: int, limit: int) -> tuple[int, int]:
+    """``(j, total)``: runs ``i`` to ``j - 1`` lie one after the other in the file and hold
+    ``total`` bytes, at most ``limit`` unless run ``i`` alone is larger."""
+    j, total = i + 1, sizes[i]
+    while j < len(runs) and total + sizes[j] <= limit and runs[j][0][2] == runs[j - 1][-1][2] + runs[j - 1][-1][3]:
+        total += sizes[j]
+        j += 1
+    return j, total
 
 
 _scratch_local = threading.local()

@@ -81,31 +81,37 @@ def test_prefetched_reads_run_ahead_on_their_own_thread_and_stop_at_damage(tmp_p
 
 def test_a_file_the_page_cache_holds_is_read_on_the_callers_thread(tmp_path, monkeypatch):
     """Where the first run comes from the page cache without waiting, the shard is read on the
-    caller's thread, the first run not read twice; where it does not, on the read-ahead thread."""
+    caller's thread (the runs after it as one read, the cache holding them too), no byte read
+    twice; where it does not, on the read-ahead thread, run by run."""
     import threading
 
     shape, shard, inner, dtype = (64, 48), (64, 48), (4, 48), "float32"  # 16 runs of one chunk
     meta = _meta(shape, shard, inner, dtype)
     array = _array(shape, dtype)
     _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
-    readers = []
+    chunk = 4 * 48 * 4 + 4
+    reads = []  # (thread, offset, bytes) of every read that returned data
     real = os.preadv
-    monkeypatch.setattr(
-        _shardread.os,
-        "preadv",
-        lambda fd, bufs, at, *flags: readers.append((threading.current_thread().name, at)) or real(fd, bufs, at),
-    )
+
+    def preadv(fd, bufs, at, *flags):
+        reads.append((threading.current_thread().name, at, sum(len(b) for b in bufs)))
+        return real(fd, bufs, at)
+
+    monkeypatch.setattr(_shardread.os, "preadv", preadv)
     for cached in (True, False):
-        monkeypatch.setattr(
-            _os, "read_if_cached", lambda fd, view, at, cached=cached: cached and real(fd, [view], at) == len(view)
-        )
-        readers.clear()
+
+        def if_cached(fd, view, at, cached=cached):
+            return cached and preadv(fd, [view], at) == len(view)
+
+        monkeypatch.setattr(_os, "read_if_cached", if_cached)
+        reads.clear()
         out = np.empty_like(array)
         _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True, io=RUNS_OF_ONE_CHUNK)
         assert out.tobytes() == array.tobytes()
-        names = {name for name, _ in readers}
+        names = {name for name, _, _ in reads}
         assert names == ({threading.current_thread().name} if cached else {"layoutckpt-read-ahead"})
-        assert len(readers) == (15 if cached else 16) and len({at for _, at in readers}) == len(readers)
+        assert sum(n for _, _, n in reads) == 16 * chunk and len({at for _, at, _ in reads}) == len(reads)
+        assert len(reads) == (2 if cached else 16)
 
 
 def test_read_cached_reads_only_what_the_page_cache_holds(tmp_path):
