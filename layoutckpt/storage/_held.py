@@ -35,7 +35,7 @@ from ..base._options import IOConfig
 from ..format._dtypes import numpy_dtype
 from ..layout._plan import Box, box_shape, row_pieces
 from . import _os, _store
-from ._location import MARKER, MAX_DOCUMENT_BYTES, PENDING, Location
+from ._location import MARKER, MAX_DOCUMENT_BYTES, PENDING, MarkerCommit
 from ._readers import BoxReader
 from ._writers import BoxWriter, Source
 
@@ -175,7 +175,7 @@ def _under(path: str, root: str) -> bool:
 
 
 @attrs.frozen(eq=False)
-class HeldPrefix(Location):
+class HeldPrefix(MarkerCommit):
     """A key prefix of a registered root (``HeldRoot``); commit by marker, as ``KvPrefix``."""
 
     root: HeldRoot
@@ -246,22 +246,10 @@ class HeldPrefix(Location):
         if self.exists() and self.read(PENDING) is None:
             raise CheckpointExistsError(f"{self.url!r} holds data that is not a layoutckpt checkpoint")
 
-    def prepare(self) -> None:
-        """Clear the leftovers of a save that never committed here, then claim the prefix."""
-        self.discard()
-        self.write(PENDING, b"layoutckpt save in progress; no commit marker yet\n")
-
-    def staging(self, token: int) -> HeldPrefix:
-        return self  # no rename: the save writes in place, invisible until the marker exists
-
     def make_durable(self) -> None:
         """Nothing to do: held memory is as durable as this process."""
 
-    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
-        assert staging is self and not overwrite
-        _faults.point("commit.marker", staging=self.url, final=self.url)
-        self.write(MARKER, marker)
-        _faults.point("commit.published", final=self.url)
+    def drop_pending(self) -> None:
         self.root.delete_document(self.prefix + PENDING)
 
     def retire(self) -> None:

@@ -288,8 +288,32 @@ class LocalDir(Location):
         _commit.remove_tree(self.root)
 
 
+class MarkerCommit(Location):
+    """The commit of a store without renames: a save writes in place under a pending marker,
+    and the root ``zarr.json``, written last, is the commit."""
+
+    def prepare(self) -> None:
+        """Clear the leftovers of a save that never committed here, then claim the prefix."""
+        self.discard()
+        self.write(PENDING, b"layoutckpt save in progress; no commit marker yet\n")
+
+    def staging(self, token: int) -> MarkerCommit:
+        return self  # no rename: the save writes in place, invisible until the marker exists
+
+    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
+        assert staging is self and not overwrite
+        _faults.point("commit.marker", staging=self.url, final=self.url)
+        self.write(MARKER, marker)
+        _faults.point("commit.published", final=self.url)
+        self.drop_pending()
+
+    @abc.abstractmethod
+    def drop_pending(self) -> None:
+        """Remove the pending marker of a save that has just committed."""
+
+
 @attrs.frozen(eq=False)
-class KvPrefix(Location):
+class KvPrefix(MarkerCommit):
     """A key prefix of a TensorStore key-value store (s3, gcs, memory, ...); commit by marker."""
 
     spec: dict[str, Any]
@@ -363,23 +387,10 @@ class KvPrefix(Location):
                 "yourself or save to a new prefix"
             )
 
-    def prepare(self) -> None:
-        """Clear the leftovers of a save that never committed here, then claim the prefix."""
-        self.discard()
-        self.write(PENDING, b"layoutckpt save in progress; no commit marker yet\n")
-
-    def staging(self, token: int) -> KvPrefix:
-        return self  # no rename: the save writes in place, invisible until the marker exists
-
     def make_durable(self) -> None:
         """Nothing to do: a PUT is durable when it returns."""
 
-    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
-        assert staging is self and not overwrite
-        # No rename: the marker, written last, is the commit.
-        _faults.point("commit.marker", staging=self.url, final=self.url)
-        self.write(MARKER, marker)
-        _faults.point("commit.published", final=self.url)
+    def drop_pending(self) -> None:
         self._kv.delete_range(ts.KvStore.KeyRange(PENDING, PENDING + "\0")).result()
 
     def retire(self) -> None:
