@@ -100,7 +100,11 @@ def _packed(path: Path):
 
 def _place(tmp: Path, where: str, name: str = "ckpt", base: float = 0.0) -> tuple[str, tuple]:
     """A checkpoint of four-shard arrays read by layoutckpt's shard reader (``files``) or through
-    TensorStore (``memory``), and how to read and write its objects."""
+    TensorStore (``memory``), or a packed one of one-shard arrays (``packed``, read through
+    TensorStore's OCDBT driver), and how to read and write its objects."""
+    if where == "packed":
+        url = save(tmp / name, base, packing="ocdbt")
+        return url, _packed(Path(url))
     if where == "memory":
         url = in_memory(tmp, name, base)
         return url, _memory(url)
@@ -169,22 +173,14 @@ def test_shards_swapped_between_cells_are_refused(tmp_path, where):
 
 @pytest.mark.parametrize("where", ["files", "memory", "packed"])
 def test_a_shard_moved_to_another_array_is_refused(tmp_path, where):
-    if where == "packed":
-        url = save(tmp_path / "ckpt", packing="ocdbt")
-        read, write = _packed(Path(url))
-    else:
-        url, (read, write) = _place(tmp_path, where)
+    url, (read, write) = _place(tmp_path, where)
     write("b/c.0.0", read("a/c.0.0"))
     _refused(url, "b")
 
 
 @pytest.mark.parametrize("where", ["files", "memory", "packed"])
 def test_a_scalar_copied_from_another_scalar_is_refused(tmp_path, where):
-    if where == "packed":
-        url = save(tmp_path / "ckpt", packing="ocdbt")
-        read, write = _packed(Path(url))
-    else:
-        url, (read, write) = _place(tmp_path, where)
+    url, (read, write) = _place(tmp_path, where)
     write("t/c", read("s/c"))
     _refused(url, "t")
 
