@@ -140,6 +140,16 @@ def leaves(dims: dict[str, int]) -> dict[str, tuple[tuple[int, ...], Any]]:
     return out
 
 
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": {"c": x}}}`` -> ``{"a.b.c": x}`` (``nest`` undoes it)."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
     """``{"a.b.c": x}`` -> ``{"a": {"b": {"c": x}}}``."""
     nested: dict[str, Any] = {}

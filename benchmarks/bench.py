@@ -50,6 +50,7 @@ from _common import (
     ext4_journal,
     files_under,
     filesystem_of,
+    flatten,
     free_output,
     leave_world,
     leaves,
@@ -203,15 +204,6 @@ def select(only: str | None) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # One rank.
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
 
 
 def digest(flat: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], int]]:

@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import files_under, free_output, leave_world, nest, proc_io
+from _common import files_under, flatten, free_output, leave_world, nest, proc_io
 
 PACKINGS = ("files", "ocdbt")
 COLS = 256  # columns of every "many" matrix: divisible by any tp up to 256
@@ -222,7 +222,7 @@ def _many_rank(rank: int, world: int, args: argparse.Namespace, root: str, evict
             got = timed(row, "load_inplace", "load", path, layout, like=dest, inplace=True)
             fresh = timed(row, "load_fresh", "load", path, layout)
             if rep == 0:  # untimed: the loads return what was saved
-                got_flat, fresh_flat = _flatten(got), _flatten(fresh)
+                got_flat, fresh_flat = flatten(got), flatten(fresh)
                 for n, t in flat.items():
                     assert torch.equal(got_flat[n], t) and torch.equal(fresh_flat[n], t), (packing, n)
             del got, fresh
@@ -230,7 +230,7 @@ def _many_rank(rank: int, world: int, args: argparse.Namespace, root: str, evict
                 resh = timed(row, "load_reshard", "load", path, tp, group=sub, here=rank < half)
                 if rep == 0 and rank < half:
                     c = cols // half
-                    resh_flat = _flatten(resh)
+                    resh_flat = flatten(resh)
                     for i, n in enumerate(names):
                         want = _global(i, rows, cols)[:, rank * c : (rank + 1) * c]
                         assert torch.equal(resh_flat[n], want), (packing, n, "reshard")
@@ -252,15 +252,6 @@ def _many_rank(rank: int, world: int, args: argparse.Namespace, root: str, evict
     out.join_thread()
     dist.barrier()
     leave_world()
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        flat: dict[str, Any] = {}
-        for k, v in tree.items():
-            flat.update(_flatten(v, f"{prefix}{k}."))
-        return flat
-    return {prefix[:-1]: tree}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +286,7 @@ def _tiny_process(args: argparse.Namespace, root: str, evict: str, out: Any) -> 
             got = timed(row, "load_inplace", "load", path, None, like=dest, inplace=True)
             fresh = timed(row, "load_fresh", "load", path, None)
             if rep == 0:
-                got_flat, fresh_flat = _flatten(got), _flatten(fresh)
+                got_flat, fresh_flat = flatten(got), flatten(fresh)
                 for n, t in flat.items():
                     assert torch.equal(got_flat[n], t) and torch.equal(fresh_flat[n], t), (packing, n)
             del got, fresh
