@@ -253,62 +253,68 @@ class _BoxFill:
 
     def check_blocks(self, key: str, origin: Sequence[int], run: list[Chunk], data: np.ndarray) -> None:
         """``check`` of a run of uncompressed, whole-sized chunks: every checksum first, then each
-        block of chunks that lie side by side along the last dimension, whole inside the box,
-        placed with one strided copy; the others one by one. One NumPy call per block instead of
-        one per chunk: a warm load is bound by these calls, not by the bytes they copy."""
+        block of chunks whole inside the box (whole rows of chunks, several rows where they follow
+        one another) placed with one strided copy; the others one by one. One NumPy call per
+        block instead of one per chunk: a warm load is bound by these calls, not by the bytes."""
         stride = self.chunk_bytes + 4
-        for k, (_, at, _, _) in enumerate(run):
-            end = k * stride + self.chunk_bytes
-            if crc32c.crc32c(data[k * stride : end]) != int.from_bytes(data[end : end + 4], "little"):
-                raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} fails its crc32c")
+        view = memoryview(data)
+        found = [crc32c.crc32c(view[k * stride : k * stride + self.chunk_bytes]) for k in range(len(run))]
+        stored = np.ndarray((len(run),), "<u4", data, self.chunk_bytes, (stride,))
+        bad = np.flatnonzero(np.array(found, np.uint32) != stored)
+        if bad.size:
+            raise Damaged(False, f"inner chunk {_cell(run[bad[0]][1])} of shard {key} fails its crc32c")
+        lo, hi = self.whole_span(origin)
         k = 0
         while k < len(run):
-            at = run[k][1]
-            n = 1
-            if self.whole(origin, at):
-                while (
-                    k + n < len(run)
-                    and run[k + n][1][:-1] == at[:-1]
-                    and run[k + n][1][-1] == at[-1] + n
-                    and self.whole(origin, run[k + n][1])
-                ):
-                    n += 1
-            if n == 1:
+            rows, cols = _block(run, k, lo, hi)
+            if rows * cols == 1:
                 chunk = data[k * stride : k * stride + self.chunk_bytes].view(self.out.dtype)
-                self.place(origin, at, chunk)
+                self.place(origin, run[k][1], chunk)
             else:
-                self.place_block(origin, at, n, data[k * stride :])
-            k += n
+                self.place_block(origin, run[k][1], rows, cols, data[k * stride :])
+            k += rows * cols
 
-    def whole(self, origin: Sequence[int], at: Sequence[int]) -> bool:
-        """Whether inner chunk ``at`` lies whole inside the box (and the array)."""
-        for (a, b), o, i, c, n in zip(self.box, origin, at, self.inner, self.meta.shape):
-            start = o + i * c
-            if start < a or start + c > min(b, n):
-                return False
-        return True
+    def whole_span(self, origin: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Per dimension, the inner chunk positions ``[lo, hi)`` of the shard at ``origin`` whose
+        chunks lie whole inside the box (and the array)."""
+        lo, hi = [], []
+        for (a, b), o, c, n in zip(self.box, origin, self.inner, self.meta.shape):
+            lo.append(max(0, -(-(a - o) // c)))
+            hi.append((min(b, n) - o) // c)
+        return lo, hi
 
-    def place_block(self, origin: Sequence[int], at: Sequence[int], n: int, data: np.ndarray) -> None:
-        """Copy ``n`` whole chunks, ``at`` and the next ones along the last dimension, stored one
-        after the other in ``data`` (each followed by its 4-byte checksum), into the box."""
+    def place_block(self, origin: Sequence[int], at: Sequence[int], rows: int, cols: int, data: np.ndarray) -> None:
+        """Copy ``rows`` x ``cols`` whole chunks, from ``at`` on along the last two dimensions
+        (along the last alone for a 1-D array), stored one after the other in ``data`` in C order
+        (each followed by its 4-byte checksum), into the box."""
         item = self.out.dtype.itemsize
-        strides = [item * math.prod(self.inner[d + 1 :]) for d in range(len(self.inner))]
-        # (n, *inner) over the chunks' payloads, skipping each checksum (unaligned where the
-        # checksums shift the items: NumPy copies those too)
-        src = np.ndarray((n, *self.inner), self.out.dtype, data, 0, (self.chunk_bytes + 4, *strides))
+        inner = self.inner
+        nd = len(inner)
+        strides = [item * math.prod(inner[d + 1 :]) for d in range(nd)]
+        stride = self.chunk_bytes + 4
+        # (rows, cols, *inner) over the chunks' payloads, skipping each checksum (unaligned where
+        # the checksums shift the items: NumPy copies those too)
+        src = np.ndarray((rows, cols, *inner), self.out.dtype, data, 0, (cols * stride, stride, *strides))
         dst = []
-        for (a, _), o, i, c in zip(self.box, origin, at, self.inner):
+        for (a, _), o, i, c in zip(self.box, origin, at, inner):
             start = o + i * c - a
             dst.append(slice(start, start + c))
-        dst[-1] = slice(dst[-1].start, dst[-1].start + n * self.inner[-1])
+        dst[-1] = slice(dst[-1].start, dst[-1].start + cols * inner[-1])
+        if nd > 1:
+            dst[-2] = slice(dst[-2].start, dst[-2].start + rows * inner[-2])
         target = self.out[tuple(dst)]
-        # the destination's last dimension cut into the n chunks, (*inner[:-1], n, inner[-1]),
-        # always a view of the destination
-        last = target.strides[-1]
-        target = np.lib.stride_tricks.as_strided(
-            target, (*self.inner[:-1], n, self.inner[-1]), (*target.strides[:-1], self.inner[-1] * last, last)
-        )
-        target[...] = np.moveaxis(src, 0, -2)
+        # The destination cut into the chunks: (*inner[:-2], rows, inner[-2], cols, inner[-1]),
+        # always a view of it; a 1-D destination is (cols, inner[0]) and ``rows`` is 1.
+        t = target.strides
+        if nd == 1:
+            shape, tstrides = (1, cols, inner[0]), (0, inner[0] * t[0], t[0])
+            order = (0, 1, 2)
+        else:
+            shape = (*inner[:-2], rows, inner[-2], cols, inner[-1])
+            tstrides = (*t[:-2], inner[-2] * t[-2], t[-2], inner[-1] * t[-1], t[-1])
+            order = (*range(2, nd), 0, nd, 1, nd + 1)
+        target = np.lib.stride_tricks.as_strided(target, shape, tstrides)
+        target[...] = src.transpose(order)
 
     def place(self, origin: Sequence[int], at: Sequence[int], chunk: np.ndarray | None) -> None:
         """Copy the part of inner chunk ``at`` (of the shard at ``origin``) inside the box to the
@@ -330,6 +336,30 @@ def _adjacent(runs: list[list[Chunk]], sizes: list[int], i: int, limit: int) -> 
         total += sizes[j]
         j += 1
     return j, total
+
+
+def _block(run: list[Chunk], k: int, lo: list[int], hi: list[int]) -> tuple[int, int]:
+    """``(rows, cols)``: the chunks of ``run`` from ``k`` on that form one block whole inside the
+    box: ``cols`` side by side along the last dimension, then as many rows of them along the one
+    before as follow in ``run`` (C order). ``(1, 1)`` where chunk ``k`` is not whole."""
+    at = run[k][1]
+    if any(not lo[d] <= at[d] < hi[d] for d in range(len(at))):
+        return 1, 1
+    lead, last = at[:-1], at[-1]
+    cols = 1
+    while k + cols < len(run) and last + cols < hi[-1] and run[k + cols][1] == (*lead, last + cols):
+        cols += 1
+    rows = 1
+    if len(at) > 1:
+        head, row = at[:-2], at[-2]
+        while row + rows < hi[-2]:
+            first = k + rows * cols
+            if first + cols > len(run) or run[first][1] != (*head, row + rows, last):
+                break
+            if run[first + cols - 1][1] != (*head, row + rows, last + cols - 1):
+                break
+            rows += 1
+    return rows, cols
 
 
 _scratch_local = threading.local()

@@ -180,3 +180,30 @@ def test_chunks_placed_in_blocks_give_every_box_exactly(tmp_path, shape, shard, 
         _shardread.read_box(tmp_path, meta, box, view, io=io)
         assert view.tobytes() == want.tobytes(), box
         assert not big[(0,) * big.ndim]  # nothing written outside the view
+
+
+def test_a_whole_shard_is_placed_with_one_copy_per_run(tmp_path, monkeypatch):
+    """Rows of whole chunks that follow one another in a run are one block: a box covering the
+    shard is placed with one strided copy per run, not one per row of chunks."""
+    shape, inner = (64, 48), (8, 6)
+    meta = _meta(shape, shape, inner, "float32")
+    array = _array(shape, "float32")
+    _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
+    blocks = []
+    real = _shardread._BoxFill.place_block
+
+    def counted(self, origin, at, rows, cols, data):
+        blocks.append((tuple(at), rows, cols))
+        return real(self, origin, at, rows, cols, data)
+
+    monkeypatch.setattr(_shardread._BoxFill, "place_block", counted)
+    out = np.zeros_like(array)
+    _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, io=lc.IOConfig(read_run_bytes=256 << 10))
+    assert out.tobytes() == array.tobytes()
+    assert blocks == [((0, 0), 8, 8)]
+    # a box of half the columns: each row of chunks is cut off from the next in the file
+    blocks.clear()
+    out = np.zeros((64, 24), np.float32)
+    _shardread.read_box(tmp_path, meta, ((0, 64), (0, 24)), out, io=lc.IOConfig(read_run_bytes=256 << 10))
+    assert out.tobytes() == array[:, :24].tobytes()
+    assert blocks == [((r, 0), 1, 4) for r in range(8)]
