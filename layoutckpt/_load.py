@@ -22,6 +22,7 @@ from ._pieces import uses_views
 from .base._arguments import check_load_arguments
 from .base._errors import TemplateMismatchError
 from .base._futures import LoadFuture
+from .base._gc import collector_paused
 from .base._metrics import LOAD_PHASES, Metrics, Phases, report
 from .base._options import LoadKeywords, LoadOptions, options_of
 from .engine._read import BackgroundReads, BoxRead
@@ -89,7 +90,8 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
     naming its array.
     """
     check_load_arguments("load", path, layout, Layout)
-    return _start(path, layout, options_of(LoadOptions, options, "load", LoadKeywords)).result()
+    with collector_paused():
+        return _start(path, layout, options_of(LoadOptions, options, "load", LoadKeywords)).result()
 
 
 def load_async(
@@ -106,6 +108,7 @@ def load_async(
     return _start(path, layout, options_of(LoadOptions, options, "load_async", LoadKeywords))
 
 
+@collector_paused()
 def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOptions) -> LoadFuture[Any]:
     """Plan every read first (pure), so bad input raises before any byte is read; then put the
     reads in flight on the read engine's thread."""
@@ -344,6 +347,7 @@ def _plan_view(name: str, view: Fused | Padded, target: Any, meta: CheckpointMet
     return Composite(shape, dtypes.pop(), tuple(parts), fill)
 
 
+@collector_paused()
 def _finish(
     plan: _LoadPlan,
     meta: CheckpointMeta,

@@ -1,4 +1,5 @@
-"""Foundations every layer uses: the typed errors, the version, futures, metrics and worker threads.
+"""Foundations every layer uses: the typed errors, the version, futures, metrics, worker threads
+and the pause of the garbage collector during a load.
 
 Nothing here imports another part of layoutckpt.
 """

@@ -131,7 +131,9 @@ class LoadFuture(_Future[T]):
                     self._future.set_result(self._finish())
                 except BaseException as err:  # noqa: BLE001 - kept for every caller of result()
                     self._future.set_exception(err)
-                self._reads = None
+                # ``finish`` closes over this future: dropped, the load's plan is freed with the
+                # future by reference counting, not left to the cyclic collector
+                self._reads = self._finish = None
         return self._future.result(timeout)
 
 

@@ -107,27 +107,30 @@ def flatten(state: object) -> tuple[Any, dict[str, Any]]:
     if not isinstance(state, Mapping | list | tuple):
         raise TypeError(f"the state must be a dict, list or tuple of leaves, got {type(state).__name__}")
     leaves: dict[str, Any] = {}
-
-    def walk(x: object, name: str) -> Any:
-        if isinstance(x, Mapping):
-            return {"dict": [[k, walk(v, _join(name, _key_str(k, name)))] for k, v in x.items()]}
-        if isinstance(x, list | tuple):
-            kind = "list" if isinstance(x, list) else "tuple"
-            return {kind: [walk(v, _join(name, str(i))) for i, v in enumerate(x)]}
-        if name in leaves:
-            raise InvalidNameError(
-                f"two leaves share the global name {name!r} (a key containing dots collides with a "
-                "nested key); rename one of them"
-            )
-        name_to_path(name)
-        leaves[name] = x
-        if is_array_leaf(x):
-            return {"array": name}
-        return _encode_value(x, name)
-
-    structure = walk(state, "")
+    structure = _flatten(state, "", leaves)
     check_no_prefix_clash([n for n, v in leaves.items() if is_array_leaf(v)])
     return structure, leaves
+
+
+# The walks over a tree are module functions, not closures that call themselves: such a closure
+# is a reference cycle, and everything it holds (a load's whole plan) would wait for the cyclic
+# garbage collector, whose full passes over a training process take a tenth of a second.
+def _flatten(x: object, name: str, leaves: dict[str, Any]) -> Any:
+    if isinstance(x, Mapping):
+        return {"dict": [[k, _flatten(v, _join(name, _key_str(k, name)), leaves)] for k, v in x.items()]}
+    if isinstance(x, list | tuple):
+        kind = "list" if isinstance(x, list) else "tuple"
+        return {kind: [_flatten(v, _join(name, str(i)), leaves) for i, v in enumerate(x)]}
+    if name in leaves:
+        raise InvalidNameError(
+            f"two leaves share the global name {name!r} (a key containing dots collides with a "
+            "nested key); rename one of them"
+        )
+    name_to_path(name)
+    leaves[name] = x
+    if is_array_leaf(x):
+        return {"array": name}
+    return _encode_value(x, name)
 
 
 def _join(prefix: str, key: str) -> str:
@@ -152,28 +155,32 @@ def unflatten(structure: Any, leaf: Callable[[str, Mapping[str, Any]], Any], kee
     left empty by that are dropped too) and become ``None`` in lists and tuples, so the indices
     of the leaves kept stay meaningful.
     """
-    dropped = object()
+    result = _unflatten(structure, "", leaf, keep)
+    return type_of_root(structure)() if result is _DROPPED else result
 
-    def walk(node: Mapping[str, Any], name: str) -> Any:
-        if "dict" in node:
-            out = {}
-            for key, child in node["dict"]:
-                value = walk(child, _join(name, str(key)))
-                if value is not dropped:
-                    out[key] = value
-            return dropped if keep is not None and node["dict"] and not out else out
-        for kind, build in (("list", list), ("tuple", tuple)):
-            if kind in node:
-                items = [walk(c, _join(name, str(i))) for i, c in enumerate(node[kind])]
-                if keep is not None and items and all(v is dropped for v in items):
-                    return dropped
-                return build(None if v is dropped else v for v in items)
-        if keep is not None and name not in keep:
-            return dropped
-        return leaf(name, node)
 
-    result = walk(structure, "")
-    return type_of_root(structure)() if result is dropped else result
+_DROPPED = object()  # a subtree ``unflatten`` leaves out
+
+
+def _unflatten(
+    node: Mapping[str, Any], name: str, leaf: Callable[[str, Mapping[str, Any]], Any], keep: set[str] | None
+) -> Any:
+    if "dict" in node:
+        out = {}
+        for key, child in node["dict"]:
+            value = _unflatten(child, _join(name, str(key)), leaf, keep)
+            if value is not _DROPPED:
+                out[key] = value
+        return _DROPPED if keep is not None and node["dict"] and not out else out
+    for kind, build in (("list", list), ("tuple", tuple)):
+        if kind in node:
+            items = [_unflatten(c, _join(name, str(i)), leaf, keep) for i, c in enumerate(node[kind])]
+            if keep is not None and items and all(v is _DROPPED for v in items):
+                return _DROPPED
+            return build(None if v is _DROPPED else v for v in items)
+    if keep is not None and name not in keep:
+        return _DROPPED
+    return leaf(name, node)
 
 
 def type_of_root(structure: Mapping[str, Any]) -> type:
@@ -182,18 +189,18 @@ def type_of_root(structure: Mapping[str, Any]) -> type:
 
 def leaf_nodes(structure: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """(global name, node) of every leaf, in tree order."""
+    return _leaf_nodes(structure, "")
 
-    def walk(node: Mapping[str, Any], name: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
-        if "dict" in node:
-            for key, child in node["dict"]:
-                yield from walk(child, _join(name, str(key)))
-        elif "list" in node or "tuple" in node:
-            for i, child in enumerate(node.get("list", node.get("tuple", []))):
-                yield from walk(child, _join(name, str(i)))
-        else:
-            yield name, node
 
-    yield from walk(structure, "")
+def _leaf_nodes(node: Mapping[str, Any], name: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    if "dict" in node:
+        for key, child in node["dict"]:
+            yield from _leaf_nodes(child, _join(name, str(key)))
+    elif "list" in node or "tuple" in node:
+        for i, child in enumerate(node.get("list", node.get("tuple", []))):
+            yield from _leaf_nodes(child, _join(name, str(i)))
+    else:
+        yield name, node
 
 
 def nested(prefix: str, names: list[str]) -> Any:
@@ -209,13 +216,13 @@ def nested(prefix: str, names: list[str]) -> Any:
         if parts[-1] in node:
             raise InvalidNameError(f"array {prefix}.{name!r} is also the parent of other arrays; rename one of them")
         node[parts[-1]] = f"{prefix}.{name}"
+    return _nested_node(root)
 
-    def build(node: Any) -> Any:
-        if isinstance(node, str):
-            return {"array": node}
-        return {"dict": [[k, build(v)] for k, v in node.items()]}
 
-    return build(root)
+def _nested_node(node: Any) -> Any:
+    if isinstance(node, str):
+        return {"array": node}
+    return {"dict": [[k, _nested_node(v)] for k, v in node.items()]}
 
 
 def tree_of(nodes: Mapping[str, Any]) -> Any:
@@ -235,13 +242,13 @@ def tree_of(nodes: Mapping[str, Any]) -> Any:
         if parts[-1] in node:
             raise InvalidNameError(f"{name!r} is also the parent of other leaves; rename one of them")
         node[parts[-1]] = leaf
+    return _tree_node(root, groups)
 
-    def build(node: Any) -> Any:
-        if id(node) in groups:
-            return {"dict": [[k, build(v)] for k, v in node.items()]}
-        return node
 
-    return build(root)
+def _tree_node(node: Any, groups: set[int]) -> Any:
+    if id(node) in groups:
+        return {"dict": [[k, _tree_node(v, groups)] for k, v in node.items()]}
+    return node
 
 
 def rewrite(structure: Any, visit: Callable[[Mapping[str, Any], str], Any]) -> Any:
@@ -249,19 +256,19 @@ def rewrite(structure: Any, visit: Callable[[Mapping[str, Any], str], Any]) -> A
 
     Nodes for which it returns None are kept, and their children visited.
     """
+    return _rewrite(structure, "", visit)
 
-    def walk(node: Mapping[str, Any], name: str) -> Any:
-        new = visit(node, name)
-        if new is not None:
-            return new
-        if "dict" in node:
-            return {"dict": [[k, walk(child, _join(name, str(k)))] for k, child in node["dict"]]}
-        for kind in ("list", "tuple"):
-            if kind in node:
-                return {kind: [walk(child, _join(name, str(i))) for i, child in enumerate(node[kind])]}
-        return node
 
-    return walk(structure, "")
+def _rewrite(node: Mapping[str, Any], name: str, visit: Callable[[Mapping[str, Any], str], Any]) -> Any:
+    new = visit(node, name)
+    if new is not None:
+        return new
+    if "dict" in node:
+        return {"dict": [[k, _rewrite(child, _join(name, str(k)), visit)] for k, child in node["dict"]]}
+    for kind in ("list", "tuple"):
+        if kind in node:
+            return {kind: [_rewrite(child, _join(name, str(i)), visit) for i, child in enumerate(node[kind])]}
+    return node
 
 
 def retarget(structure: Any, targets: Mapping[str, str]) -> Any:
