@@ -297,17 +297,18 @@ def read_regular(root: Path, rel: str, max_bytes: int) -> bytes:
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14 and later
 
 
-def read_if_cached(fd: int, view: np.ndarray, offset: int) -> bool:
-    """Read ``view``'s length at ``offset`` of ``fd`` into it only if the page cache holds all of
-    it (``RWF_NOWAIT``: no wait for the device). False where it does not, or where the system
-    cannot tell (no ``RWF_NOWAIT``; tmpfs answers EOPNOTSUPP)."""
+def read_cached(fd: int, view: np.ndarray, offset: int) -> int:
+    """Read into ``view`` from ``offset`` of ``fd`` what the page cache holds from there on, up
+    to ``view``'s length, without waiting for the device (``RWF_NOWAIT``); return the bytes read.
+    0 where the cache holds none of it, or where the system cannot tell (no ``RWF_NOWAIT``;
+    tmpfs answers EOPNOTSUPP)."""
     if not _RWF_NOWAIT:
-        return False
+        return 0
     try:
-        return os.preadv(fd, [view], offset, _RWF_NOWAIT) == len(view)
+        return os.preadv(fd, [view], offset, _RWF_NOWAIT)
     except OSError as err:
         if err.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
-            return False
+            return 0
         raise
 
 

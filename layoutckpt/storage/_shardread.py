@@ -8,8 +8,8 @@ copy fewer than TensorStore's read path, which decodes every chunk into a fresh 
 With ``prefetch`` a thread of its own reads a shard's runs in file order, up to
 ``IOConfig.prefetch_depth`` ahead, while the caller's thread checks and copies: one sequential
 stream per file, which a cold disk serves faster than several threads reading parts of one file.
-A shard whose first run the page cache already holds is read on the caller's thread alone, since
-reading ahead would only add a hand-off per run.
+A shard whose first page the page cache already holds is read on the caller's thread alone,
+since reading ahead would only add a hand-off per run.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ Chunk = tuple[int, tuple[int, ...], int, int]
 # read is bound by the calls and copies per run, where a cold one is better served by small runs
 # the disk can stream (``IOConfig.read_run_bytes``; docs/design/tried-and-dropped.md).
 CACHED_RUN_BYTES = 2 << 20
+# A large read of a shard asks the page cache for this much of it first: where it has it, the
+# file is taken as warm and read on the caller's thread (a read-ahead thread only adds hand-offs).
+PROBE_BYTES = 4096
 
 _read_lock = threading.Lock()
 _bytes_read = 0  # every byte read_box has read in this process: a counter tests and demos show
@@ -181,38 +184,57 @@ class _BoxFill:
         return runs
 
     def fetch(self, fd: int, key: str, origin: Sequence[int], runs: list[list[Chunk]], prefetch: bool) -> int:
-        """Read each run with one call, check its chunks and copy them out; with ``prefetch``,
-        the reads go ahead on a thread of their own unless the page cache holds the file."""
+        """Read each run with one call, check its chunks and copy them out; return the bytes
+        read. With ``prefetch``, the reads go ahead on a thread of their own unless the page
+        cache holds the file's first page."""
         sizes = [sum(c[3] for c in run) for run in runs]
         if len(self.buffer) < max(sizes):
             # Room for a whole run, but not a full run's bytes for a small array's one tiny chunk.
             self.buffer = _scratch(max(max(sizes), min(self.io.read_run_bytes, 16 * (self.chunk_bytes + 4))))
-        first = 0
+        have = 0
         if prefetch and len(runs) > 1:
-            if not _os.read_if_cached(fd, self.buffer[: sizes[0]], runs[0][0][2]):
+            probe = min(sizes[0], PROBE_BYTES)
+            have = _os.read_cached(fd, self.buffer[:probe], runs[0][0][2])
+            if have < probe:  # a cold file: read ahead (the probe's bytes read again)
                 read_ahead(
                     fd, key, runs, sizes, self.io.prefetch_depth, lambda run, data: self.check(key, origin, run, data)
                 )
-                return sum(sizes)
-            self.check(key, origin, runs[0], self.buffer[: sizes[0]])
-            first = 1
-        i = first
+                return sum(sizes) + have
+        self.read_runs(fd, key, origin, runs, sizes, have)
+        return sum(sizes)
+
+    def read_runs(
+        self, fd: int, key: str, origin: Sequence[int], runs: list[list[Chunk]], sizes: list[int], have: int
+    ) -> None:
+        """``fetch`` on this thread: runs the page cache holds one after the other are read with
+        one call, checked and placed as one; the others one by one. ``have`` bytes of the first
+        run are in the buffer already. No byte is read twice: what a read from the cache gave
+        beyond the runs it holds whole is the start of the next run."""
+        i = 0
         while i < len(runs):
             j, total = _adjacent(runs, sizes, i, CACHED_RUN_BYTES)
-            if j > i + 1 and len(self.buffer) < total:
-                self.buffer = _scratch(total)
-            if j > i + 1 and _os.read_if_cached(fd, self.buffer[:total], runs[i][0][2]):
-                # Runs the page cache holds are read as one: one call, and one copy for each
-                # block of chunks side by side, instead of one of each per run.
-                self.check(key, origin, [c for run in runs[i:j] for c in run], self.buffer[:total])
-                i = j
-                continue
+            if j > i + 1:
+                if len(self.buffer) < total:
+                    kept, self.buffer = self.buffer[:have], _scratch(total)
+                    self.buffer[:have] = kept
+                got = have + _os.read_cached(fd, self.buffer[have:total], runs[i][0][2] + have)
+                k, whole = i, 0
+                while k < j and whole + sizes[k] <= got:
+                    whole += sizes[k]
+                    k += 1
+                if k > i:
+                    self.check(key, origin, [c for run in runs[i:k] for c in run], self.buffer[:whole])
+                    have = got - whole
+                    self.buffer[:have] = self.buffer[whole:got]  # NumPy copies overlapping parts safely
+                    i = k
+                    continue
+                have = got
             run, total = runs[i], sizes[i]
-            if os.preadv(fd, [self.buffer[:total]], run[0][2]) != total:
+            if os.preadv(fd, [self.buffer[have:total]], run[0][2] + have) != total - have:
                 raise Damaged(False, f"inner chunk {_cell(run[0][1])} of shard {key} is cut short")
             self.check(key, origin, run, self.buffer[:total])
+            have = 0
             i += 1
-        return sum(sizes)
 
     def check(self, key: str, origin: Sequence[int], run: list[Chunk], data: np.ndarray) -> None:
         """Check each chunk of ``run``, read into ``data``, and copy it out."""

@@ -3,6 +3,7 @@ same elements and bytes, the read-ahead stops at damage, and the page-cache chec
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -31,7 +32,7 @@ def test_prefetched_reads_give_the_same_array_and_bytes(
     same bytes read as the plain path either way, every shard file read front to back."""
     # Cached: the first run read at once, as a file system that tells (ext4, xfs) gives it.
     read_now = os.preadv
-    monkeypatch.setattr(_os, "read_if_cached", lambda fd, view, at: cached and read_now(fd, [view], at) == len(view))
+    monkeypatch.setattr(_os, "read_cached", lambda fd, view, at: read_now(fd, [view], at) if cached else 0)
     meta = _meta(shape, shard, inner, dtype)
     array = _array(shape, dtype)
     for cell in grid_cells(shape, shard):
@@ -55,7 +56,7 @@ def test_prefetched_reads_run_ahead_on_their_own_thread_and_stop_at_damage(tmp_p
     meta = _meta(shape, shard, inner, dtype)
     array = _array(shape, dtype)
     _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
-    monkeypatch.setattr(_os, "read_if_cached", lambda *a: False)  # as if the file were cold
+    monkeypatch.setattr(_os, "read_cached", lambda *a: 0)  # as if the file were cold
     readers = []
     real = os.preadv
     monkeypatch.setattr(
@@ -80,9 +81,9 @@ def test_prefetched_reads_run_ahead_on_their_own_thread_and_stop_at_damage(tmp_p
 
 
 def test_a_file_the_page_cache_holds_is_read_on_the_callers_thread(tmp_path, monkeypatch):
-    """Where the first run comes from the page cache without waiting, the shard is read on the
-    caller's thread (the runs after it as one read, the cache holding them too), no byte read
-    twice; where it does not, on the read-ahead thread, run by run."""
+    """Where the first page comes from the page cache without waiting, the shard is read on the
+    caller's thread (the rest as one read, the cache holding it too), no byte read twice; where
+    it does not, on the read-ahead thread, run by run."""
     import threading
 
     shape, shard, inner, dtype = (64, 48), (64, 48), (4, 48), "float32"  # 16 runs of one chunk
@@ -101,9 +102,9 @@ def test_a_file_the_page_cache_holds_is_read_on_the_callers_thread(tmp_path, mon
     for cached in (True, False):
 
         def if_cached(fd, view, at, cached=cached):
-            return cached and preadv(fd, [view], at) == len(view)
+            return preadv(fd, [view], at) if cached else 0
 
-        monkeypatch.setattr(_os, "read_if_cached", if_cached)
+        monkeypatch.setattr(_os, "read_cached", if_cached)
         reads.clear()
         out = np.empty_like(array)
         _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True, io=RUNS_OF_ONE_CHUNK)
@@ -115,8 +116,8 @@ def test_a_file_the_page_cache_holds_is_read_on_the_callers_thread(tmp_path, mon
 
 
 def test_read_cached_reads_only_what_the_page_cache_holds(tmp_path):
-    """``read_if_cached`` fills the buffer from a file in the page cache and refuses one that was
-    dropped from it; a file system that cannot tell (tmpfs) always refuses."""
+    """``read_cached`` fills the buffer from a file in the page cache and reads nothing of one
+    that was dropped from it; a file system that cannot tell (tmpfs) always reads nothing."""
     import errno
 
     data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -132,10 +133,10 @@ def test_read_cached_reads_only_what_the_page_cache_holds(tmp_path):
             assert err.errno == errno.EOPNOTSUPP
             tells = False
         view = np.zeros_like(data)
-        assert _os.read_if_cached(fd, view, 0) is tells
+        assert _os.read_cached(fd, view, 0) == (len(view) if tells else 0)
         assert not tells or view.tobytes() == data.tobytes()
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert _os.read_if_cached(fd, np.zeros_like(data), 0) is False
+        assert _os.read_cached(fd, np.zeros_like(data), 0) == 0
     finally:
         os.close(fd)
 
@@ -207,3 +208,41 @@ def test_a_whole_shard_is_placed_with_one_copy_per_run(tmp_path, monkeypatch):
     _shardread.read_box(tmp_path, meta, ((0, 64), (0, 24)), out, io=lc.IOConfig(read_run_bytes=256 << 10))
     assert out.tobytes() == array[:, :24].tobytes()
     assert blocks == [((r, 0), 1, 4) for r in range(8)]
+
+
+@pytest.mark.parametrize("held", [100, 2000, 5000])
+def test_a_file_the_page_cache_holds_in_part_is_read_once(tmp_path, monkeypatch, held):
+    """Where a read from the cache gives only part of what it asked for (readahead brought in
+    part of a cold file), the runs it holds whole are checked from it, the rest of the bytes
+    start the next run, and no byte of the file is read twice; only a probe of the first run
+    that comes back short (a cold file, read ahead on its own thread) is read again."""
+    shape, shard, inner, dtype = (64, 48), (64, 48), (4, 48), "float32"  # 16 runs of one chunk
+    meta = _meta(shape, shard, inner, dtype)
+    array = _array(shape, dtype)
+    _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
+    spans = []  # (offset, bytes) of every read
+    real = os.preadv
+
+    def preadv(fd, bufs, at, *flags):
+        n = real(fd, bufs, at)
+        spans.append((at, n))
+        return n
+
+    def part_cached(fd, view, at):  # the cache holds ``held`` bytes from wherever it is asked
+        return preadv(fd, [view[:held]], at)
+
+    monkeypatch.setattr(_shardread.os, "preadv", preadv)
+    monkeypatch.setattr(_os, "read_cached", part_cached)
+    out = np.empty_like(array)
+    nread = _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), out, prefetch=True, io=RUNS_OF_ONE_CHUNK)
+    assert out.tobytes() == array.tobytes()
+    chunk = 4 * 48 * 4 + 4
+    again = held if held < chunk else 0  # the short probe's bytes
+    data = sorted((at, at + n) for at, n in spans if n and at < 16 * chunk)
+    if again:
+        assert data[0] == (0, again)
+        data = data[1:]
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(data))  # no byte twice
+    assert sum(b - a for a, b in data) == 16 * chunk
+    tail = _shardread._BoxFill(meta, ((0, 64), (0, 48)), out, True, lc.IOConfig()).tail_bytes
+    assert nread == 16 * chunk + tail + again
