@@ -22,7 +22,9 @@ host memory (the part of the save the loop waits for) next to the step time. The
 newest step from the fast tier and a persisted step from the durable tier, each twice: into fresh
 arrays (``mgr.load(layout)``: the new memory's page faults are paid whichever tier serves it) and
 into the live model and optimizer (``like=state, inplace=True``, as a job restoring into the model
-it built), and reports the times and their ratios. There is no GPU here: the copy runs on the
+it built), and reports the times and their ratios. A directory durable tier is read twice: as it
+is (the page cache still holds the persisted files) and after they are dropped from the page
+cache (``cold``), as a restart that finds them only on disk. There is no GPU here: the copy runs on the
 caller's thread on the CPU.
 """
 
@@ -40,6 +42,8 @@ import tempfile
 import time
 import uuid
 from typing import Any
+
+from _common import evict
 
 MODES = ("none", "tiers", "dcp")
 RESTORES = ("fresh", "inplace")
@@ -174,10 +178,15 @@ def _restore(lc: Any, durable: str, local: str, layout: Any, persisted: int, dis
     """Seconds of each restore: ``fast`` (the newest step, from the fast tier) and ``durable``
     (a step only the durable tier holds), each into fresh arrays and in place."""
     times = {}
+    tiers = [("fast", None, "local"), ("durable", persisted, "durable")]
+    if "://" not in durable:  # a directory: also read it after its files leave the page cache
+        tiers.append(("cold", persisted, "durable"))
     with lc.CheckpointManager(durable, local=local) as mgr:
         for restore in RESTORES:
             into = {"like": state(), "inplace": True} if restore == "inplace" else {}
-            for tier, step, source in (("fast", None, "local"), ("durable", persisted, "durable")):
+            for tier, step, source in tiers:
+                if tier == "cold":
+                    evict(str(mgr.path(persisted)))
                 dist.barrier()
                 t0 = time.perf_counter()
                 out = mgr.load(layout, step=step, **into)
@@ -221,6 +230,10 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             "durable_over_fast": statistics.median(ratios),
             "ratio_spread": [min(ratios), max(ratios)],
         }
+        if f"cold_{kind}" in per_rank[0]["restore"][0]:
+            cold = [max(r["restore"][i][f"cold_{kind}"] for r in per_rank) for i in range(repeats)]
+            colds = [c / f for c, f in zip(cold, fast)]
+            restore[kind].update(cold_s=statistics.median(cold), cold_over_fast=statistics.median(colds))
     return {"rows": rows, "restore": restore}
 
 
@@ -296,6 +309,11 @@ def _print(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             f"restore {kind:8}: fast tier {r['fast_s']:.4f} s, durable tier {r['durable_s']:.4f} s, "
             f"durable/fast {r['durable_over_fast']:.2f}x ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f})"
         )
+        if "cold_s" in r:
+            print(
+                f"restore {kind:8}: durable tier out of the page cache {r['cold_s']:.4f} s, "
+                f"durable/fast {r['cold_over_fast']:.2f}x"
+            )
 
 
 if __name__ == "__main__":
