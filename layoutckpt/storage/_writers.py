@@ -150,14 +150,13 @@ class TensorStoreWriter(BoxWriter):
         self._opened.clear()
 
 
-class ShardFileWriter(BoxWriter):
-    """A local directory: a box that is one whole shard becomes its shard file
-    (``_shardfile``), written on one of ``io.threads`` threads; other boxes go to TensorStore."""
+class _WholeShards(BoxWriter):
+    """A writer that writes each box that is one whole shard itself, on one of ``io.threads``
+    threads (``_whole``), and hands every other box to TensorStore."""
 
-    def __init__(self, root: Path, location: Any, io: IOConfig, in_flight: InFlight | None = None) -> None:
+    def __init__(self, name: str, location: Any, io: IOConfig, in_flight: InFlight | None) -> None:
         super().__init__(io, in_flight)
-        self._files = _shardfile.ShardFiles(root, io)
-        self._threads = Workers("layoutckpt-write", io.threads)
+        self._threads = Workers(name, io.threads)
         self._others = TensorStoreWriter(location, io, self.in_flight)
 
     def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
@@ -165,14 +164,35 @@ class ShardFileWriter(BoxWriter):
         if cell is None:
             self._others.write(meta, box, source)
         else:
-            self._threads.submit(self._write_shard, meta, box, cell, source)
+            self._threads.submit(self._whole, meta, box, cell, source)
 
-    def _write_shard(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
+    def _whole(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
+        """Write one whole shard; the array bytes written."""
+        raise NotImplementedError
+
+    def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
+        self._others.write_documents(items)
+
+
+def _sized(meta: ArrayMeta, box: Box, data: Any) -> tuple[int, np.dtype]:
+    """The array bytes and dtype of a box's staged ``data`` (an array, or a function of it)."""
+    if isinstance(data, np.ndarray):
+        return data.nbytes, data.dtype
+    return box_nbytes(meta, box), numpy_dtype(meta.dtype)
+
+
+class ShardFileWriter(_WholeShards):
+    """A local directory: a box that is one whole shard becomes its shard file
+    (``_shardfile``), written on one of ``io.threads`` threads; other boxes go to TensorStore."""
+
+    def __init__(self, root: Path, location: Any, io: IOConfig, in_flight: InFlight | None = None) -> None:
+        self._files = _shardfile.ShardFiles(root, io)
+        super().__init__("layoutckpt-write", location, io, in_flight)
+
+    def _whole(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
         try:
             data = source.wait()
-            held = isinstance(data, np.ndarray)
-            nbytes = data.nbytes if held else box_nbytes(meta, box)
-            dtype = data.dtype if held else numpy_dtype(meta.dtype)
+            nbytes, dtype = _sized(meta, box, data)
             self.in_flight.start(nbytes)
             self._files.write(meta, cell, dtype, data, start_writeback=True)
             self.in_flight.done(nbytes)
@@ -180,9 +200,6 @@ class ShardFileWriter(BoxWriter):
             return nbytes
         finally:
             source.release()
-
-    def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
-        self._others.write_documents(items)
 
     def join(self) -> int:
         return self._others.join() + self._threads.join()
@@ -194,7 +211,7 @@ class ShardFileWriter(BoxWriter):
         self._files.close()
 
 
-class ShardObjectWriter(BoxWriter):
+class ShardObjectWriter(_WholeShards):
     """A key-value store: a box that is one whole shard is encoded on one of ``io.threads``
     threads and stored as one value; other boxes go to TensorStore. TensorStore's zarr driver
     would open each array first (a cost that dominates saves of many small arrays) and copy
@@ -202,33 +219,22 @@ class ShardObjectWriter(BoxWriter):
     once encoded, and at most ``io.budget_bytes`` of encoded shards wait for their store."""
 
     def __init__(self, location: Any, io: IOConfig, in_flight: InFlight | None = None) -> None:
-        super().__init__(io, in_flight)
-        self.location = location
+        # The store first: a store that does not open leaves no threads behind.
         self._ctx = _store.context(io.concurrency, io.retries)
         self._kv = ts.KvStore.open(location.kvstore(), context=self._ctx).result()
-        self._threads = Workers("layoutckpt-encode", io.threads)
-        self._others = TensorStoreWriter(location, io, self.in_flight)
+        super().__init__("layoutckpt-encode", location, io, in_flight)
+        self.location = location
         self._lock = threading.Lock()
         # (write, array bytes, encoded bytes, array path), oldest first
         self._stores: deque[tuple[Any, int, int, str]] = deque()
         self._waiting = 0  # encoded bytes whose store is under way
 
-    def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
-        cell = shard_cell(box, meta.shape, meta.shard_shape)
-        if cell is None:
-            self._others.write(meta, box, source)
-        else:
-            self._threads.submit(self._encode, meta, box, cell, source)
-
-    def _encode(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
+    def _whole(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
         try:
             data = source.wait()
-            held = isinstance(data, np.ndarray)
-            nbytes = data.nbytes if held else box_nbytes(meta, box)
+            nbytes, dtype = _sized(meta, box, data)
             self.in_flight.start(nbytes)
-            value = _shardfile.shard_value(
-                meta, cell, data.dtype if held else numpy_dtype(meta.dtype), data, self.io.group_bytes
-            )
+            value = _shardfile.shard_value(meta, cell, dtype, data, self.io.group_bytes)
         finally:
             source.release()
         self._store(f"{meta.path}/{meta.chunk_key(cell)}", value, nbytes, meta.path)
@@ -251,9 +257,6 @@ class ShardObjectWriter(BoxWriter):
             self._waiting -= encoded
             self.in_flight.done(nbytes)
         _faults.point("save.box_written", name=path)
-
-    def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
-        self._others.write_documents(items)
 
     def join(self) -> int:
         written = self._threads.join()
