@@ -3,7 +3,9 @@
 ``read_box`` reads the index of each shard the box touches, then only the inner chunks it needs.
 Runs of adjacent wanted chunks are fetched with one ``preadv`` into one reused buffer; each
 chunk's crc32c is checked and its part of the box copied straight into the destination: one
-copy fewer than TensorStore's read path, which decodes every chunk into a fresh array.
+copy fewer than TensorStore's read path, which decodes every chunk into a fresh array. A box
+that wants a whole shard, stored in order, is read in slabs of whole chunks with no Python per
+chunk but its checksum: the common case of a load, where per-chunk work would bound a warm read.
 
 With ``prefetch`` a thread of its own reads a shard's runs in file order, up to
 ``IOConfig.prefetch_depth`` ahead, while the caller's thread checks and copies: one sequential
@@ -14,6 +16,7 @@ since reading ahead would only add a hand-off per run.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -104,9 +107,9 @@ class _BoxFill:
         self.chunk_bytes = out.dtype.itemsize * math.prod(self.inner)
         self.codec = codec_for(meta.compression, out.dtype.itemsize)
         # Where inner chunk ``at`` of a shard sits in its index: C order over the shard's inner grid.
-        grid = [-(-s // c) for s, c in zip(meta.shard_shape, self.inner)]
-        self.steps = [math.prod(grid[d + 1 :]) for d in range(len(grid))]
-        self.table_bytes = 16 * math.prod(grid) + 4
+        self.grid = [-(-s // c) for s, c in zip(meta.shard_shape, self.inner)]
+        self.steps = [math.prod(self.grid[d + 1 :]) for d in range(len(self.grid))]
+        self.table_bytes = 16 * math.prod(self.grid) + 4
         # A bound array's shards hold their binding block just before the index: read with it.
         self.tail_bytes = self.table_bytes + (BINDING_BYTES if meta.bound_to is not None else 0)
         self.buffer = np.empty(0, np.uint8)
@@ -114,6 +117,9 @@ class _BoxFill:
         # Uncompressed chunks of a run that lie side by side along the last dimension, whole
         # inside the box, are placed with one strided copy (``place_block``).
         self.blocks = self.codec is None and len(self.inner) > 0 and out.dtype.itemsize > 0
+        # Blocks are copied as plain items of the same size: strided views of dtypes NumPy only
+        # knows through an extension (float8, bfloat16) cannot be made.
+        self.items = out.view(f"V{out.dtype.itemsize}") if self.blocks else out
 
     def shard(self, root: Path, key: str, cell: Sequence[int], prefetch: bool) -> int:
         """Read this box's part of one shard file; return the bytes read."""
@@ -138,12 +144,16 @@ class _BoxFill:
         try:
             size = os.fstat(fd).st_size
             offsets, lengths = self.index(fd, key, cell, size)
-            runs = self.runs(key, origin, ranges, offsets, lengths, size)
+            start = self.stored_whole(origin, offsets, lengths)
+            if start is not None:
+                runs_of = functools.partial(self.runs, key, origin, ranges, offsets.tolist(), lengths.tolist(), size)
+                return self.tail_bytes + self.fetch_whole(fd, key, origin, start, runs_of, prefetch)
+            runs = self.runs(key, origin, ranges, offsets.tolist(), lengths.tolist(), size)
             return self.tail_bytes + (self.fetch(fd, key, origin, runs, prefetch) if runs else 0)
         finally:
             os.close(fd)
 
-    def index(self, fd: int, key: str, cell: Sequence[int], size: int) -> tuple[list[int], list[int]]:
+    def index(self, fd: int, key: str, cell: Sequence[int], size: int) -> tuple[np.ndarray, np.ndarray]:
         """The shard's index: (offsets, lengths) of its inner chunks, checked: its crc32c, and
         every stored chunk inside the file before the index (and before the binding block, which
         must bind the shard to this array's save, path and ``cell``), overlapping no other."""
@@ -154,8 +164,7 @@ class _BoxFill:
         tail = os.pread(fd, self.tail_bytes, size - self.tail_bytes)
         check_binding(self.meta, key, cell, tail)
         end = size - self.tail_bytes
-        offsets, lengths = checked_index(tail[self.tail_bytes - self.table_bytes :], self.table_bytes, key, end)
-        return offsets.tolist(), lengths.tolist()
+        return checked_index(tail[self.tail_bytes - self.table_bytes :], self.table_bytes, key, end)
 
     def runs(
         self,
@@ -182,6 +191,92 @@ class _BoxFill:
                 runs.append([])
             runs[-1].append((i, at, offset, nbytes))
         return runs
+
+    def stored_whole(self, origin: Sequence[int], offsets: np.ndarray, lengths: np.ndarray) -> int | None:
+        """Where the box wants all of a shard lying inside the array, and its uncompressed
+        chunks are stored one after the other in C order (as layoutckpt writes them), the file
+        offset of the first; else None."""
+        if not self.blocks:
+            return None
+        for (a, b), o, s, n in zip(self.box, origin, self.meta.shard_shape, self.meta.shape):
+            if o < a or o + s > min(b, n):
+                return None
+        stride = self.chunk_bytes + 4
+        start = int(offsets[0])
+        if not (lengths == stride).all() or not np.array_equal(offsets, start + stride * np.arange(len(offsets))):
+            return None
+        return start
+
+    def fetch_whole(
+        self,
+        fd: int,
+        key: str,
+        origin: Sequence[int],
+        start: int,
+        runs_of: Callable[[], list[list[Chunk]]],
+        prefetch: bool,
+    ) -> int:
+        """``fetch`` of a whole shard stored in order (``stored_whole``): read in slabs of
+        whole chunks of up to ``CACHED_RUN_BYTES``, each checked and placed with one strided
+        copy, with no Python per chunk but its checksum. A cold file with ``prefetch`` is read
+        ahead run by run (``runs_of``), as ``fetch`` reads it."""
+        stride = self.chunk_bytes + 4
+        total = stride * math.prod(self.grid)
+        slabs = self.slabs()
+        first = slabs[0][2] * slabs[0][3] * stride
+        if len(self.buffer) < first:
+            self.buffer = _scratch(first)
+        have = 0
+        run_bytes = stride * max(1, min(total // stride, self.io.read_run_bytes // stride))
+        if prefetch and run_bytes < total:
+            probe = min(run_bytes, PROBE_BYTES)
+            have = _os.read_cached(fd, self.buffer[:probe], start)
+            if have < probe:  # a cold file: read ahead (the probe's bytes read again)
+                runs = runs_of()
+                sizes = [sum(c[3] for c in run) for run in runs]
+                read_ahead(fd, key, runs, sizes, self.io.prefetch_depth, functools.partial(self.check, key, origin))
+                return total + have
+        for index, at, rows, cols in slabs:
+            nbytes = rows * cols * stride
+            data = self.buffer[:nbytes]
+            if os.preadv(fd, [data[have:]], start + index * stride + have) != nbytes - have:
+                raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} is cut short")
+            have = 0
+            bad = self.failing(data, rows * cols)
+            if bad is not None:
+                cell = [int(x) for x in np.unravel_index(index + bad, self.grid)]
+                raise Damaged(False, f"inner chunk {_cell(cell)} of shard {key} fails its crc32c")
+            self.place_block(origin, at, rows, cols, data)
+        return total
+
+    def slabs(self) -> list[tuple[int, tuple[int, ...], int, int]]:
+        """A whole shard cut into ``(index, at, rows, cols)`` blocks of whole chunks that follow
+        one another in the file, each at most ``CACHED_RUN_BYTES`` (or one chunk): whole rows
+        of chunks along the last dimension where they fit, parts of a row where they do not."""
+        grid = self.grid
+        per = max(1, CACHED_RUN_BYTES // (self.chunk_bytes + 4))
+        line = grid[-1]
+        cols = min(line, per)
+        nrows = grid[-2] if len(grid) > 1 else 1
+        rows = min(nrows, per // line) if cols == line else 1
+        out = []
+        for lead in itertools.product(*(range(g) for g in grid[:-2])):
+            for r in range(0, nrows, rows):
+                for c in range(0, line, cols):
+                    at = (*lead, r, c) if len(grid) > 1 else (c,)
+                    index = sum(x * step for x, step in zip(at, self.steps))
+                    out.append((index, at, min(rows, nrows - r), min(cols, line - c)))
+        return out
+
+    def failing(self, data: np.ndarray, count: int) -> int | None:
+        """The first of ``count`` whole uncompressed chunks stored one after the other in
+        ``data`` (each followed by its crc32c) whose checksum fails, or None."""
+        stride = self.chunk_bytes + 4
+        view = memoryview(data)
+        found = [crc32c.crc32c(view[k * stride : k * stride + self.chunk_bytes]) for k in range(count)]
+        stored = np.ndarray((count,), "<u4", data, self.chunk_bytes, (stride,))
+        bad = np.flatnonzero(np.array(found, np.uint32) != stored)
+        return int(bad[0]) if bad.size else None
 
     def fetch(self, fd: int, key: str, origin: Sequence[int], runs: list[list[Chunk]], prefetch: bool) -> int:
         """Read each run with one call, check its chunks and copy them out; return the bytes
@@ -279,12 +374,9 @@ class _BoxFill:
         one another) placed with one strided copy; the others one by one. One NumPy call per
         block instead of one per chunk: a warm load is bound by these calls, not by the bytes."""
         stride = self.chunk_bytes + 4
-        view = memoryview(data)
-        found = [crc32c.crc32c(view[k * stride : k * stride + self.chunk_bytes]) for k in range(len(run))]
-        stored = np.ndarray((len(run),), "<u4", data, self.chunk_bytes, (stride,))
-        bad = np.flatnonzero(np.array(found, np.uint32) != stored)
-        if bad.size:
-            raise Damaged(False, f"inner chunk {_cell(run[bad[0]][1])} of shard {key} fails its crc32c")
+        bad = self.failing(data, len(run))
+        if bad is not None:
+            raise Damaged(False, f"inner chunk {_cell(run[bad][1])} of shard {key} fails its crc32c")
         lo, hi = self.whole_span(origin)
         k = 0
         while k < len(run):
@@ -316,7 +408,7 @@ class _BoxFill:
         stride = self.chunk_bytes + 4
         # (rows, cols, *inner) over the chunks' payloads, skipping each checksum (unaligned where
         # the checksums shift the items: NumPy copies those too)
-        src = np.ndarray((rows, cols, *inner), self.out.dtype, data, 0, (cols * stride, stride, *strides))
+        src = np.ndarray((rows, cols, *inner), self.items.dtype, data, 0, (cols * stride, stride, *strides))
         dst = []
         for (a, _), o, i, c in zip(self.box, origin, at, inner):
             start = o + i * c - a
@@ -324,7 +416,7 @@ class _BoxFill:
         dst[-1] = slice(dst[-1].start, dst[-1].start + cols * inner[-1])
         if nd > 1:
             dst[-2] = slice(dst[-2].start, dst[-2].start + rows * inner[-2])
-        target = self.out[tuple(dst)]
+        target = self.items[tuple(dst)]
         # The destination cut into the chunks: (*inner[:-2], rows, inner[-2], cols, inner[-1]),
         # always a view of it; a 1-D destination is (cols, inner[0]) and ``rows`` is 1.
         t = target.strides

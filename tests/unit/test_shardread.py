@@ -246,3 +246,34 @@ def test_a_file_the_page_cache_holds_in_part_is_read_once(tmp_path, monkeypatch,
     assert sum(b - a for a, b in data) == 16 * chunk
     tail = _shardread._BoxFill(meta, ((0, 64), (0, 48)), out, True, lc.IOConfig()).tail_bytes
     assert nread == 16 * chunk + tail + again
+
+
+@pytest.mark.parametrize("slab_chunks", [1, 3, 8, 20, 100])
+@pytest.mark.parametrize(("shape", "inner"), [((64, 48), (8, 6)), ((12, 10, 8), (3, 5, 2)), ((40,), (4,))])
+def test_a_whole_shard_is_read_in_slabs_and_damage_names_its_chunk(tmp_path, monkeypatch, shape, inner, slab_chunks):
+    """A box covering a whole shard stored in order is read in slabs of whole chunks of at most
+    ``CACHED_RUN_BYTES`` (rows of chunks where they fit, parts of a row where not), each one
+    read: the array comes back exactly, and a chunk that fails its checksum is named by its cell."""
+    stride = 4 * int(np.prod(inner)) + 4
+    monkeypatch.setattr(_shardread, "CACHED_RUN_BYTES", slab_chunks * stride)
+    meta = _meta(shape, shape, inner, "float32")
+    array = _array(shape, "float32")
+    _shardfile.write_shard(tmp_path, meta, (0,) * len(shape), array.dtype, array)
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(_shardread.os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0])) or real(fd, bufs, at))
+    box = tuple((0, n) for n in shape)
+    out = np.zeros_like(array)
+    _shardread.read_box(tmp_path, meta, box, out)
+    assert out.tobytes() == array.tobytes()
+    grid = [n // c for n, c in zip(shape, inner)]
+    assert sum(reads) == stride * int(np.prod(grid)) and max(reads) <= max(slab_chunks, 1) * stride
+
+    bad = int(np.prod(grid)) - 2
+    cell = ", ".join(str(int(x)) for x in np.unravel_index(bad, grid))
+    path = tmp_path / "a" / meta.chunk_key((0,) * len(shape))
+    data = bytearray(path.read_bytes())
+    data[bad * stride + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(_shardread.Damaged, match=rf"inner chunk \{{{cell}\}} of shard .* fails its crc32c"):
+        _shardread.read_box(tmp_path, meta, box, np.zeros_like(array))
