@@ -3,8 +3,8 @@
 ``load``, ``open().read``, ``verify``, the CLI's ``read``, safetensors export and the JAX loader
 describe what they want as ``BoxRead`` requests (a box of a stored array and where it goes);
 the engine cuts each box into the pieces its storage reads best (``BoxReader.pieces``), keeps at
-most ``IOConfig.budget_bytes`` of TensorStore's pieces in flight (reads on threads: twice the
-threads), places every piece straight into the request's destination, and reports damage as
+most ``IOConfig.budget_bytes`` of TensorStore's pieces in flight (reads on threads: up to 16
+pieces per thread), places every piece straight into the request's destination, and reports damage as
 ``IntegrityError`` naming the array. The same pieces are what ``_readplan`` counts, so
 ``layoutckpt plan`` shows what a load does.
 
@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import attrs
@@ -134,6 +134,11 @@ def _inline(
         yield r, out
 
 
+# Pieces queued per reading thread, at most: enough that a thread done with small pieces
+# finds more while the others read a large one.
+_WINDOW = 16
+
+
 class _Scheduler:
     """Pieces in flight, oldest first: the next is issued once the bytes in flight allow it."""
 
@@ -145,6 +150,7 @@ class _Scheduler:
         self.threads = ThreadPoolExecutor(threads, thread_name_prefix="layoutckpt-read") if threads else None
         self.pending: deque[tuple[BoxRead, np.ndarray, Any, int, bool]] = deque()
         self.in_flight = 0
+        self.fresh = 0  # bytes in flight into destinations the engine made (not the caller's)
         self.damaged: set[int] = set()
 
     def run(self, planned: list[tuple[BoxRead, list[tuple[Box, bool]]]]) -> Iterator[tuple[BoxRead, np.ndarray]]:
@@ -155,24 +161,29 @@ class _Scheduler:
                     self.pending.append((r, out, _NOTHING, 0, True))
                 for i, (piece, prefetch) in enumerate(pieces):
                     nbytes = box_size(piece) * out.dtype.itemsize
-                    while self.pending and self.full(nbytes):
-                        yield from self.settle()
+                    while self.pending and self.full(nbytes, fresh=r.out is None):
+                        yield from self.settle_some()
                     self.issue(r, out, piece, prefetch, nbytes, last=i == len(pieces) - 1)
             while self.pending:
-                yield from self.settle()
+                yield from self.settle_some()
         finally:
             self.stop()
 
-    def full(self, nbytes: int) -> bool:
-        """Whether issuing ``nbytes`` more must wait for the oldest read.
+    def full(self, nbytes: int, *, fresh: bool) -> bool:
+        """Whether issuing ``nbytes`` more must wait for reads in flight.
 
-        Reads on threads fill their destinations in place, holding no buffer of their own, so
-        only the queue is bounded: twice the threads, so that none waits for the next piece.
+        Reads on threads fill their destinations in place, holding no buffer of their own:
+        twice the threads always go, so that none waits for the next piece, and up to
+        ``_WINDOW`` pieces per thread while the destinations the engine made for them stay
+        within ``budget_bytes`` (a caller's own destinations cost nothing more in flight).
         TensorStore's reads decode into buffers of their own: their bytes are what is bounded.
         """
-        if self.threads is not None:
-            return len(self.pending) >= 2 * self.nthreads
-        return self.in_flight + nbytes > self.io.budget_bytes
+        if self.threads is None:
+            return self.in_flight + nbytes > self.io.budget_bytes
+        queued = len(self.pending)
+        if queued < 2 * self.nthreads:
+            return False
+        return queued >= _WINDOW * self.nthreads or (fresh and self.fresh + nbytes > self.io.budget_bytes)
 
     def issue(self, r: BoxRead, out: np.ndarray, piece: Box, prefetch: bool, nbytes: int, *, last: bool) -> None:
         view = _view(out, r.box, piece)
@@ -183,6 +194,18 @@ class _Scheduler:
         self.stats.in_flight.start(nbytes)
         self.pending.append((r, out, pending, nbytes, last))
         self.in_flight += nbytes
+        self.fresh += nbytes if r.out is None else 0
+
+    def settle_some(self) -> Iterator[tuple[BoxRead, np.ndarray]]:
+        """Settle the oldest piece; with reads on threads, every piece up to the middle of the
+        queue at once. Waking for each piece done would hand the GIL from a reading thread to
+        this one and back for every piece, which costs more than a small read."""
+        count = 1 if self.threads is None else len(self.pending) // 2 + 1
+        middle = self.pending[count - 1][2]
+        if isinstance(middle, Future):
+            wait([middle])
+        for _ in range(count):
+            yield from self.settle()
 
     def settle(self) -> Iterator[tuple[BoxRead, np.ndarray]]:
         """Wait for the oldest piece; yield its request once its last piece is in."""
@@ -199,6 +222,7 @@ class _Scheduler:
         finally:
             self.stats.in_flight.done(nbytes)
             self.in_flight -= nbytes
+            self.fresh -= nbytes if r.out is None else 0
         if last and id(r) not in self.damaged:
             yield r, out
 
