@@ -94,6 +94,8 @@ class Layout:
     names: tuple[NameRule, ...] = attrs.field(default=(), kw_only=True, converter=parse_names)
     replicas: tuple[tuple[str, str], ...] = attrs.field(default=(), kw_only=True, converter=_replicas)
     _compiled: tuple[re.Pattern[str], ...] = attrs.field(init=False, eq=False, hash=False)
+    # Each name's rule, once found: a load or save asks for every name several times.
+    _found: dict[str, Rule | None] = attrs.field(init=False, eq=False, hash=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -123,10 +125,13 @@ class Layout:
 
     def rule_for(self, name: str) -> Rule | None:
         """The first rule (pattern, spec) whose pattern matches ``name``, or None."""
-        for regex, rule in zip(self._compiled, self.rules):
-            if regex.search(name):
-                return rule
-        return None
+        try:
+            return self._found[name]
+        except KeyError:
+            pass
+        found = next((rule for regex, rule in zip(self._compiled, self.rules) if regex.search(name)), None)
+        self._found[name] = found
+        return found
 
     @property
     def stage_axes(self) -> tuple[str, ...]:
