@@ -149,7 +149,10 @@ def test_a_write_that_o_direct_refuses_goes_on_through_the_page_cache(tmp_path, 
     monkeypatch.setattr(_os.os, "pwrite", picky)
     _write_every_shard(tmp_path / "refused", meta, array, DIRECT)
     files = 2 if _accepts_direct(tmp_path) else 0
-    assert len(small_blocks) == files and len(refused) == files  # once per file, then no more O_DIRECT
+    # Refused once per file, then no more O_DIRECT; twice where its two blocks were in flight
+    # together before the first refusal cleared the flag.
+    assert len(small_blocks) == files and files <= len(refused) <= 2 * files
+    assert refused.count(0) == files
     assert _files(tmp_path / "refused") == _files(tmp_path / "buffered")
 
 
