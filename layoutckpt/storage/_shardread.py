@@ -3,9 +3,10 @@
 ``read_box`` reads the index of each shard the box touches, then only the inner chunks it needs.
 Runs of adjacent wanted chunks are fetched with one ``preadv`` into one reused buffer; each
 chunk's crc32c is checked and its part of the box copied straight into the destination: one
-copy fewer than TensorStore's read path, which decodes every chunk into a fresh array. A box
-that wants a whole shard, stored in order, is read in slabs of whole chunks with no Python per
-chunk but its checksum: the common case of a load, where per-chunk work would bound a warm read.
+copy fewer than TensorStore's read path, which decodes every chunk into a fresh array. Where
+the box cuts a shard only between chunks (a whole shard, or the columns of chunks another
+layout wants), stored in order, the chunks are read in slabs with no Python per chunk but its
+checksum: the common case of a load, where per-chunk work would bound a warm read.
 
 With ``prefetch`` a thread of its own reads a shard's runs in file order, up to
 ``IOConfig.prefetch_depth`` ahead, while the caller's thread checks and copies: one sequential
@@ -16,7 +17,6 @@ since reading ahead would only add a hand-off per run.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -144,10 +144,10 @@ class _BoxFill:
         try:
             size = os.fstat(fd).st_size
             offsets, lengths = self.index(fd, key, cell, size)
-            start = self.stored_whole(origin, offsets, lengths)
-            if start is not None:
-                runs_of = functools.partial(self.runs, key, origin, ranges, offsets.tolist(), lengths.tolist(), size)
-                return self.tail_bytes + self.fetch_whole(fd, key, origin, start, runs_of, prefetch)
+            start = self.stored_in_order(origin, ranges, offsets, lengths)
+            # Read ahead (a large read, ``prefetch``) goes run by run: it is what a cold file needs.
+            if start is not None and not prefetch:
+                return self.tail_bytes + self.fetch_grid(fd, key, origin, ranges, start)
             runs = self.runs(key, origin, ranges, offsets.tolist(), lengths.tolist(), size)
             return self.tail_bytes + (self.fetch(fd, key, origin, runs, prefetch) if runs else 0)
         finally:
@@ -192,80 +192,67 @@ class _BoxFill:
             runs[-1].append((i, at, offset, nbytes))
         return runs
 
-    def stored_whole(self, origin: Sequence[int], offsets: np.ndarray, lengths: np.ndarray) -> int | None:
-        """Where the box wants all of a shard lying inside the array, and its uncompressed
-        chunks are stored one after the other in C order (as layoutckpt writes them), the file
-        offset of the first; else None."""
+    def stored_in_order(
+        self, origin: Sequence[int], ranges: list[range], offsets: np.ndarray, lengths: np.ndarray
+    ) -> int | None:
+        """Where every chunk the box wants of a shard lies whole inside the box and the array,
+        and the shard's uncompressed chunks are stored one after the other in C order (as
+        layoutckpt writes them), the file offset of its first chunk; else None."""
         if not self.blocks:
             return None
-        for (a, b), o, s, n in zip(self.box, origin, self.meta.shard_shape, self.meta.shape):
-            if o < a or o + s > min(b, n):
-                return None
+        lo, hi = self.whole_span(origin)
+        if any(r.start < a or r.stop > b for r, a, b in zip(ranges, lo, hi)):
+            return None
         stride = self.chunk_bytes + 4
         start = int(offsets[0])
         if not (lengths == stride).all() or not np.array_equal(offsets, start + stride * np.arange(len(offsets))):
             return None
         return start
 
-    def fetch_whole(
-        self,
-        fd: int,
-        key: str,
-        origin: Sequence[int],
-        start: int,
-        runs_of: Callable[[], list[list[Chunk]]],
-        prefetch: bool,
-    ) -> int:
-        """``fetch`` of a whole shard stored in order (``stored_whole``): read in slabs of
-        whole chunks of up to ``CACHED_RUN_BYTES``, each checked and placed with one strided
-        copy, with no Python per chunk but its checksum. A cold file with ``prefetch`` is read
-        ahead run by run (``runs_of``), as ``fetch`` reads it."""
+    def fetch_grid(self, fd: int, key: str, origin: Sequence[int], ranges: list[range], start: int) -> int:
+        """``fetch`` of the wanted chunks of a shard stored in order (``stored_in_order``): in
+        slabs of whole chunks of up to ``CACHED_RUN_BYTES``, each read with one ``preadv`` per
+        row of chunks (one in all where the rows are whole and so follow one another in the
+        file), checked, and placed with one strided copy, with no Python per chunk but its
+        checksum. Returns the bytes read."""
         stride = self.chunk_bytes + 4
-        total = stride * math.prod(self.grid)
-        slabs = self.slabs()
-        first = slabs[0][2] * slabs[0][3] * stride
-        if len(self.buffer) < first:
-            self.buffer = _scratch(first)
-        have = 0
-        run_bytes = stride * max(1, min(total // stride, self.io.read_run_bytes // stride))
-        if prefetch and run_bytes < total:
-            probe = min(run_bytes, PROBE_BYTES)
-            have = _os.read_cached(fd, self.buffer[:probe], start)
-            if have < probe:  # a cold file: read ahead (the probe's bytes read again)
-                runs = runs_of()
-                sizes = [sum(c[3] for c in run) for run in runs]
-                read_ahead(fd, key, runs, sizes, self.io.prefetch_depth, functools.partial(self.check, key, origin))
-                return total + have
-        for index, at, rows, cols in slabs:
+        full = len(ranges[-1]) == self.grid[-1]
+        total = 0
+        for at, rows, cols in self.slabs(ranges):
             nbytes = rows * cols * stride
+            if len(self.buffer) < nbytes:
+                self.buffer = _scratch(nbytes)
             data = self.buffer[:nbytes]
-            if os.preadv(fd, [data[have:]], start + index * stride + have) != nbytes - have:
-                raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} is cut short")
-            have = 0
+            first = sum(x * step for x, step in zip(at, self.steps))
+            row_step = self.steps[-2] if len(at) > 1 else 0
+            row_bytes = nbytes if full else cols * stride
+            for i in range(nbytes // row_bytes):
+                row = data[i * row_bytes : (i + 1) * row_bytes]
+                if os.preadv(fd, [row], start + (first + i * row_step) * stride) != len(row):
+                    raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} is cut short")
             bad = self.failing(data, rows * cols)
             if bad is not None:
-                cell = [int(x) for x in np.unravel_index(index + bad, self.grid)]
+                cell = (*at[:-2], at[-2] + bad // cols, at[-1] + bad % cols) if len(at) > 1 else (at[0] + bad,)
                 raise Damaged(False, f"inner chunk {_cell(cell)} of shard {key} fails its crc32c")
             self.place_block(origin, at, rows, cols, data)
+            total += nbytes
         return total
 
-    def slabs(self) -> list[tuple[int, tuple[int, ...], int, int]]:
-        """A whole shard cut into ``(index, at, rows, cols)`` blocks of whole chunks that follow
-        one another in the file, each at most ``CACHED_RUN_BYTES`` (or one chunk): whole rows
-        of chunks along the last dimension where they fit, parts of a row where they do not."""
-        grid = self.grid
+    def slabs(self, ranges: list[range]) -> list[tuple[tuple[int, ...], int, int]]:
+        """The wanted chunks ``ranges`` of a shard cut into ``(at, rows, cols)`` blocks of at
+        most ``CACHED_RUN_BYTES`` (or one chunk): whole rows of chunks along the last dimension
+        where they fit, parts of a row where they do not."""
         per = max(1, CACHED_RUN_BYTES // (self.chunk_bytes + 4))
-        line = grid[-1]
-        cols = min(line, per)
-        nrows = grid[-2] if len(grid) > 1 else 1
-        rows = min(nrows, per // line) if cols == line else 1
+        line = ranges[-1]
+        cols = min(len(line), per)
+        span = ranges[-2] if len(ranges) > 1 else range(1)
+        rows = min(len(span), per // len(line)) if cols == len(line) else 1
         out = []
-        for lead in itertools.product(*(range(g) for g in grid[:-2])):
-            for r in range(0, nrows, rows):
-                for c in range(0, line, cols):
-                    at = (*lead, r, c) if len(grid) > 1 else (c,)
-                    index = sum(x * step for x, step in zip(at, self.steps))
-                    out.append((index, at, min(rows, nrows - r), min(cols, line - c)))
+        for lead in itertools.product(*ranges[:-2]):
+            for r in range(span.start, span.stop, rows):
+                for c in range(line.start, line.stop, cols):
+                    at = (*lead, r, c) if len(ranges) > 1 else (c,)
+                    out.append((at, min(rows, span.stop - r), min(cols, line.stop - c)))
         return out
 
     def failing(self, data: np.ndarray, count: int) -> int | None:

@@ -184,8 +184,8 @@ def test_chunks_placed_in_blocks_give_every_box_exactly(tmp_path, shape, shard, 
 
 
 def test_a_whole_shard_is_placed_with_one_copy_per_run(tmp_path, monkeypatch):
-    """Rows of whole chunks that follow one another in a run are one block: a box covering the
-    shard is placed with one strided copy per run, not one per row of chunks."""
+    """Rows of whole chunks are one block: a box covering the shard, or cutting it only
+    between chunks, is placed with one strided copy, not one per row of chunks."""
     shape, inner = (64, 48), (8, 6)
     meta = _meta(shape, shape, inner, "float32")
     array = _array(shape, "float32")
@@ -207,7 +207,7 @@ def test_a_whole_shard_is_placed_with_one_copy_per_run(tmp_path, monkeypatch):
     out = np.zeros((64, 24), np.float32)
     _shardread.read_box(tmp_path, meta, ((0, 64), (0, 24)), out, io=lc.IOConfig(read_run_bytes=256 << 10))
     assert out.tobytes() == array[:, :24].tobytes()
-    assert blocks == [((r, 0), 1, 4) for r in range(8)]
+    assert blocks == [((0, 0), 8, 4)]
 
 
 @pytest.mark.parametrize("held", [100, 2000, 5000])
@@ -251,9 +251,10 @@ def test_a_file_the_page_cache_holds_in_part_is_read_once(tmp_path, monkeypatch,
 @pytest.mark.parametrize("slab_chunks", [1, 3, 8, 20, 100])
 @pytest.mark.parametrize(("shape", "inner"), [((64, 48), (8, 6)), ((12, 10, 8), (3, 5, 2)), ((40,), (4,))])
 def test_a_whole_shard_is_read_in_slabs_and_damage_names_its_chunk(tmp_path, monkeypatch, shape, inner, slab_chunks):
-    """A box covering a whole shard stored in order is read in slabs of whole chunks of at most
-    ``CACHED_RUN_BYTES`` (rows of chunks where they fit, parts of a row where not), each one
-    read: the array comes back exactly, and a chunk that fails its checksum is named by its cell."""
+    """A box covering a shard stored in order, or cutting it only between chunks, is read in
+    slabs of whole chunks of at most ``CACHED_RUN_BYTES`` (rows of chunks where they fit, parts
+    of a row where not): the box comes back exactly, no read is larger than a slab, and a chunk
+    that fails its checksum is named by its cell."""
     stride = 4 * int(np.prod(inner)) + 4
     monkeypatch.setattr(_shardread, "CACHED_RUN_BYTES", slab_chunks * stride)
     meta = _meta(shape, shape, inner, "float32")
@@ -262,18 +263,26 @@ def test_a_whole_shard_is_read_in_slabs_and_damage_names_its_chunk(tmp_path, mon
     reads = []
     real = os.preadv
     monkeypatch.setattr(_shardread.os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0])) or real(fd, bufs, at))
-    box = tuple((0, n) for n in shape)
-    out = np.zeros_like(array)
-    _shardread.read_box(tmp_path, meta, box, out)
-    assert out.tobytes() == array.tobytes()
     grid = [n // c for n, c in zip(shape, inner)]
-    assert sum(reads) == stride * int(np.prod(grid)) and max(reads) <= max(slab_chunks, 1) * stride
+    # the whole shard, and all but its first and last chunk along every dimension (cut between chunks)
+    cuts = (tuple((0, g) for g in grid), tuple((1, g - 1) if g > 2 else (g - 1, g) for g in grid))
+    for cut in cuts:
+        box = tuple((a * c, b * c) for (a, b), c in zip(cut, inner))
+        want = array[tuple(slice(a, b) for a, b in box)]
+        out = np.zeros_like(want)
+        reads.clear()
+        _shardread.read_box(tmp_path, meta, box, out)
+        assert out.tobytes() == want.tobytes()
+        assert sum(reads) == stride * int(np.prod([b - a for a, b in cut])) and max(reads) <= slab_chunks * stride
 
-    bad = int(np.prod(grid)) - 2
-    cell = ", ".join(str(int(x)) for x in np.unravel_index(bad, grid))
+    at = [b - 1 for _, b in cuts[1]]  # inside both boxes
+    bad = int(np.ravel_multi_index(at, grid))
+    cell = ", ".join(map(str, at))
     path = tmp_path / "a" / meta.chunk_key((0,) * len(shape))
     data = bytearray(path.read_bytes())
     data[bad * stride + 1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(_shardread.Damaged, match=rf"inner chunk \{{{cell}\}} of shard .* fails its crc32c"):
-        _shardread.read_box(tmp_path, meta, box, np.zeros_like(array))
+    for cut in cuts:
+        box = tuple((a * c, b * c) for (a, b), c in zip(cut, inner))
+        with pytest.raises(_shardread.Damaged, match=rf"inner chunk \{{{cell}\}} of shard .* fails its crc32c"):
+            _shardread.read_box(tmp_path, meta, box, np.zeros([b - a for a, b in box], np.float32))
