@@ -105,6 +105,7 @@ class _BoxFill:
         self.meta, self.box, self.out, self.complete, self.io = meta, box, out, complete, io
         self.inner = tuple(meta.inner_chunk_shape)
         self.chunk_bytes = out.dtype.itemsize * math.prod(self.inner)
+        self.stride = self.chunk_bytes + 4  # an uncompressed chunk as stored: its items, then its crc32c
         self.codec = codec_for(meta.compression, out.dtype.itemsize)
         # Where inner chunk ``at`` of a shard sits in its index: C order over the shard's inner grid.
         self.grid = [-(-s // c) for s, c in zip(meta.shard_shape, self.inner)]
@@ -203,7 +204,7 @@ class _BoxFill:
         lo, hi = self.whole_span(origin)
         if any(r.start < a or r.stop > b for r, a, b in zip(ranges, lo, hi)):
             return None
-        stride = self.chunk_bytes + 4
+        stride = self.stride
         start = int(offsets[0])
         if not (lengths == stride).all() or not np.array_equal(offsets, start + stride * np.arange(len(offsets))):
             return None
@@ -215,7 +216,7 @@ class _BoxFill:
         row of chunks (one in all where the rows are whole and so follow one another in the
         file), checked, and placed with one strided copy, with no Python per chunk but its
         checksum. Returns the bytes read."""
-        stride = self.chunk_bytes + 4
+        stride = self.stride
         full = len(ranges[-1]) == self.grid[-1]
         total = 0
         for at, rows, cols in self.slabs(ranges):
@@ -242,7 +243,7 @@ class _BoxFill:
         """The wanted chunks ``ranges`` of a shard cut into ``(at, rows, cols)`` blocks of at
         most ``CACHED_RUN_BYTES`` (or one chunk): whole rows of chunks along the last dimension
         where they fit, parts of a row where they do not."""
-        per = max(1, CACHED_RUN_BYTES // (self.chunk_bytes + 4))
+        per = max(1, CACHED_RUN_BYTES // self.stride)
         line = ranges[-1]
         cols = min(len(line), per)
         span = ranges[-2] if len(ranges) > 1 else range(1)
@@ -258,7 +259,7 @@ class _BoxFill:
     def failing(self, data: np.ndarray, count: int) -> int | None:
         """The first of ``count`` whole uncompressed chunks stored one after the other in
         ``data`` (each followed by its crc32c) whose checksum fails, or None."""
-        stride = self.chunk_bytes + 4
+        stride = self.stride
         view = memoryview(data)
         found = [crc32c.crc32c(view[k * stride : k * stride + self.chunk_bytes]) for k in range(count)]
         stored = np.ndarray((count,), "<u4", data, self.chunk_bytes, (stride,))
@@ -272,7 +273,7 @@ class _BoxFill:
         sizes = [sum(c[3] for c in run) for run in runs]
         if len(self.buffer) < max(sizes):
             # Room for a whole run, but not a full run's bytes for a small array's one tiny chunk.
-            self.buffer = _scratch(max(max(sizes), min(self.io.read_run_bytes, 16 * (self.chunk_bytes + 4))))
+            self.buffer = _scratch(max(max(sizes), min(self.io.read_run_bytes, 16 * self.stride)))
         have = 0
         if prefetch and len(runs) > 1:
             probe = min(sizes[0], PROBE_BYTES)
@@ -320,7 +321,7 @@ class _BoxFill:
 
     def check(self, key: str, origin: Sequence[int], run: list[Chunk], data: np.ndarray) -> None:
         """Check each chunk of ``run``, read into ``data``, and copy it out."""
-        if self.blocks and len(run) > 1 and all(c[3] == self.chunk_bytes + 4 for c in run):
+        if self.blocks and len(run) > 1 and all(c[3] == self.stride for c in run):
             self.check_blocks(key, origin, run, data)
             return
         pos = 0
@@ -360,7 +361,7 @@ class _BoxFill:
         block of chunks whole inside the box (whole rows of chunks, several rows where they follow
         one another) placed with one strided copy; the others one by one. One NumPy call per
         block instead of one per chunk: a warm load is bound by these calls, not by the bytes."""
-        stride = self.chunk_bytes + 4
+        stride = self.stride
         bad = self.failing(data, len(run))
         if bad is not None:
             raise Damaged(False, f"inner chunk {_cell(run[bad][1])} of shard {key} fails its crc32c")
@@ -392,7 +393,7 @@ class _BoxFill:
         inner = self.inner
         nd = len(inner)
         strides = [item * math.prod(inner[d + 1 :]) for d in range(nd)]
-        stride = self.chunk_bytes + 4
+        stride = self.stride
         # (rows, cols, *inner) over the chunks' payloads, skipping each checksum (unaligned where
         # the checksums shift the items: NumPy copies those too)
         src = np.ndarray((rows, cols, *inner), self.items.dtype, data, 0, (cols * stride, stride, *strides))
