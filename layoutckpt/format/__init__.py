@@ -1,3 +1,4 @@
 """The on-disk format (``docs/format.md``) as values: root and array documents, data types,
-per-rank documents and the safetensors header. Parsing and checks only; no storage access.
+per-rank documents, the safetensors header and the OCDBT structures of packed checkpoints.
+Parsing and checks only; no storage access.
 """

@@ -29,8 +29,8 @@ from ..base import _faults
 from ..base._metrics import InFlight
 from ..base._options import IOConfig
 from . import _os, _store
-from ._location import MAX_DOCUMENT_BYTES
-from ._readers import BoxReader, TensorStoreReader
+from ._location import MAX_DOCUMENT_BYTES, LocalDir
+from ._readers import BoxReader, PackedFileReader, TensorStoreReader
 from ._writers import ShardObjectWriter
 
 if TYPE_CHECKING:
@@ -54,9 +54,15 @@ def rank_base(rank: int) -> str:
     return f"{PACKS}/{rank:05d}"
 
 
-def database(location: Location, rel: str = "") -> dict[str, Any]:
-    """The kvstore spec of the OCDBT database whose files lie at ``rel`` under ``location``."""
-    return {"driver": "ocdbt", "base": location.kvstore(rel)}
+# The configuration of the ranks' databases: every value out of line, in a data file, so that
+# layoutckpt's own reader finds each shard as a byte range (``PackedFileReader``).
+OUT_OF_LINE = {"max_inline_value_bytes": 0}
+
+
+def database(location: Location, rel: str = "", config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The kvstore spec of the OCDBT database whose files lie at ``rel`` under ``location``;
+    ``config`` constrains a database being created."""
+    return {"driver": "ocdbt", "base": location.kvstore(rel), **({"config": config} if config else {})}
 
 
 @attrs.frozen
@@ -65,9 +71,10 @@ class PackView:
 
     location: Location
     base: str = ""
+    config: dict[str, Any] | None = None
 
     def kvstore(self, rel: str = "") -> dict[str, Any]:
-        return {**database(self.location, self.base), "path": rel.rstrip("/") + "/" if rel else ""}
+        return {**database(self.location, self.base, self.config), "path": rel.rstrip("/") + "/" if rel else ""}
 
     @functools.cached_property
     def _kv(self) -> ts.KvStore:
@@ -85,8 +92,12 @@ class PackView:
         return bytes(got.value)
 
     def box_reader(self, where: str, complete: bool, io: IOConfig) -> BoxReader:
-        """The reader of the arrays: TensorStore, through the database."""
-        return TensorStoreReader(self, where, complete, io)
+        """The reader of the arrays: on a local disk, layoutckpt's own reader of the database's
+        data files; elsewhere TensorStore, through the database."""
+        through = TensorStoreReader(self, where, complete, io)
+        if isinstance(self.location, LocalDir) and not self.base:
+            return PackedFileReader(self.location.root, where, complete, io, through)
+        return through
 
 
 def arrays_of(location: Location, meta: CheckpointMeta) -> Location | PackView:
@@ -101,7 +112,7 @@ class PackWriter(ShardObjectWriter):
     (the one committing, the one filling) besides its own."""
 
     def __init__(self, staging: Location, rank: int, io: IOConfig, in_flight: InFlight | None = None) -> None:
-        super().__init__(PackView(staging, rank_base(rank)), io, in_flight)
+        super().__init__(PackView(staging, rank_base(rank), OUT_OF_LINE), io, in_flight)
         self.staging = staging
         self._txn = _transaction()
         self._txn_bytes = 0

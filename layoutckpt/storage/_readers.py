@@ -22,9 +22,10 @@ import tensorstore as ts
 from ..base._errors import IntegrityError
 from ..base._options import IOConfig
 from ..format._dtypes import numpy_dtype
+from ..format._ocdbt import Unsupported
 from ..format._shard import BINDING_BYTES, index_bytes
 from ..layout._plan import Box, box_size, row_pieces, shard_pieces
-from . import _os, _shardread, _store
+from . import _os, _packindex, _shardread, _store
 
 if TYPE_CHECKING:
     from ..format._format import ArrayMeta
@@ -99,6 +100,38 @@ class ShardFileReader(BoxReader):
             )
         except _shardread.Damaged as err:
             raise _store.damaged(name, self.where, missing=err.missing, detail=str(err)) from None
+
+
+class PackedFileReader(ShardFileReader):
+    """A local packed checkpoint, read from its data files as a plain one is from its shard
+    files: the shards' byte ranges come from the database's B+tree (``_packindex``). A shard
+    stored inside its leaf (a checkpoint written before packs stored every value out of line)
+    or a database in a form ``_packindex`` does not read goes through ``fallback``."""
+
+    def __init__(self, root: Path, where: str, complete: bool, io: IOConfig, fallback: BoxReader) -> None:
+        super().__init__(root, where, complete, io)
+        self.index = _packindex.PackIndex(root)
+        self.fallback = fallback
+
+    def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
+        try:
+            return _shardread.read_box(
+                self.root,
+                meta,
+                box,
+                out,
+                all_chunks_stored=self.complete,
+                prefetch=prefetch,
+                io=self.io,
+                locate=self.index.locate,
+            )
+        except (_packindex.Inline, Unsupported):
+            return self.fallback.read(name, meta, box, out)
+        except _shardread.Damaged as err:
+            raise _store.damaged(name, self.where, missing=err.missing, detail=str(err)) from None
+
+    def close(self) -> None:
+        self.fallback.close()
 
 
 class TensorStoreReader(BoxReader):

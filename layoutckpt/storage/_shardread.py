@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
 import crc32c
 import numpy as np
 
@@ -61,6 +62,20 @@ class Damaged(Exception):
         self.missing = missing
 
 
+@attrs.frozen
+class Extent:
+    """Where a shard's bytes lie under the checkpoint's root: the whole file ``path`` (a plain
+    checkpoint), or ``length`` bytes at ``offset`` of it (a packed one's data file)."""
+
+    path: str
+    offset: int = 0
+    length: int | None = None
+
+
+# Where the shard at a key (``<array path>/<chunk key>``) lies; None where it is not stored.
+Locate = Callable[[str], Extent | None]
+
+
 def bytes_read() -> int:
     """Bytes this process has read from shard files through ``read_box`` (index and chunks,
     checksums included): the counterpart of TensorStore's ``/tensorstore/kvstore/file/bytes_read``."""
@@ -76,9 +91,11 @@ def read_box(
     all_chunks_stored: bool = True,
     prefetch: bool = False,
     io: IOConfig = DEFAULT_IO,
+    locate: Locate = Extent,
 ) -> int:
     """Fill ``out`` with ``box`` of the array ``meta`` stored under the local directory ``root``,
     reading only the shard indexes and inner chunks the box touches. Returns the bytes read.
+    ``locate`` says where each shard lies: by default, the file of its key.
 
     A missing file or chunk, a failed checksum, an index that points outside its file or, for
     an array bound to its save (``meta.bound_to``), a shard whose binding block names another
@@ -91,7 +108,8 @@ def read_box(
     try:
         shard = meta.shard_shape
         for cell in itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard))):
-            nread += fill.shard(root, meta.chunk_key(cell), cell, prefetch)
+            key = meta.chunk_key(cell)
+            nread += fill.shard(root, key, locate(f"{meta.path}/{key}"), cell, prefetch)
     finally:
         with _read_lock:
             _bytes_read += nread
@@ -122,8 +140,8 @@ class _BoxFill:
         # knows through an extension (float8, bfloat16) cannot be made.
         self.items = out.view(f"V{out.dtype.itemsize}") if self.blocks else out
 
-    def shard(self, root: Path, key: str, cell: Sequence[int], prefetch: bool) -> int:
-        """Read this box's part of one shard file; return the bytes read."""
+    def shard(self, root: Path, key: str, extent: Extent | None, cell: Sequence[int], prefetch: bool) -> int:
+        """Read this box's part of one shard, stored at ``extent``; return the bytes read."""
         origin = [c * s for c, s in zip(cell, self.meta.shard_shape)]
         # The inner chunks of this shard that the box overlaps, along each dimension.
         ranges = [
@@ -131,9 +149,11 @@ class _BoxFill:
             for (a, b), o, s, c in zip(self.box, origin, self.meta.shard_shape, self.inner)
         ]
         try:
+            if extent is None:
+                raise FileNotFoundError(key)
             # A regular file inside the checkpoint only: a shard linked to another checkpoint's,
             # or made a FIFO, would otherwise be read as this one (or block the read).
-            fd = _os.open_regular(root, f"{self.meta.path}/{key}")
+            fd = _os.open_regular(root, extent.path)
         except _os.NotRegularFile as err:
             raise Damaged(False, f"shard {key} is not a regular file inside the checkpoint ({err.strerror})") from None
         except (FileNotFoundError, NotADirectoryError):
@@ -144,7 +164,11 @@ class _BoxFill:
             return 0
         try:
             size = os.fstat(fd).st_size
-            offsets, lengths = self.index(fd, key, cell, size)
+            if extent.length is not None:
+                if extent.offset + extent.length > size:
+                    raise Damaged(False, f"shard {key} is cut short: its data file {extent.path} ends at byte {size}")
+                size = extent.length
+            offsets, lengths = self.index(fd, key, cell, size, extent.offset)
             start = self.stored_in_order(origin, ranges, offsets, lengths)
             # Read ahead (a large read, ``prefetch``) goes run by run: it is what a cold file needs.
             if start is not None and not prefetch:
@@ -154,18 +178,22 @@ class _BoxFill:
         finally:
             os.close(fd)
 
-    def index(self, fd: int, key: str, cell: Sequence[int], size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The shard's index: (offsets, lengths) of its inner chunks, checked: its crc32c, and
-        every stored chunk inside the file before the index (and before the binding block, which
-        must bind the shard to this array's save, path and ``cell``), overlapping no other."""
+    def index(self, fd: int, key: str, cell: Sequence[int], size: int, base: int) -> tuple[np.ndarray, np.ndarray]:
+        """The index of the shard of ``size`` bytes at ``base`` in its file: (offsets in the
+        file, lengths) of its inner chunks, checked: its crc32c, and every stored chunk inside
+        the shard before the index (and before the binding block, which must bind the shard to
+        this array's save, path and ``cell``), overlapping no other."""
         if size < self.table_bytes:
             raise Damaged(False, f"shard {key} is {size} bytes, too short for its index")
         if size < self.tail_bytes:
             raise Damaged(False, misplaced(key, "too short to hold its binding block"))
-        tail = os.pread(fd, self.tail_bytes, size - self.tail_bytes)
+        tail = os.pread(fd, self.tail_bytes, base + size - self.tail_bytes)
         check_binding(self.meta, key, cell, tail)
         end = size - self.tail_bytes
-        return checked_index(tail[self.tail_bytes - self.table_bytes :], self.table_bytes, key, end)
+        offsets, lengths = checked_index(tail[self.tail_bytes - self.table_bytes :], self.table_bytes, key, end)
+        if base:
+            offsets = np.where(offsets == ABSENT, offsets, offsets + np.uint64(base))
+        return offsets, lengths
 
     def runs(
         self,

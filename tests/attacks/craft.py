@@ -28,10 +28,15 @@ def weights() -> np.ndarray:
 
 
 def plain(
-    path: Path, *, compression: str | None = None, rank_state: Any = None, values: np.ndarray | None = None
+    path: Path,
+    *,
+    compression: str | None = None,
+    rank_state: Any = None,
+    values: np.ndarray | None = None,
+    packing: str = "auto",
 ) -> Path:
     """One replicated array ``model.w`` of one shard (``values``, ``weights()`` by default),
-    saved by one process."""
+    saved by one process (plain files, unless ``packing="ocdbt"``)."""
     lc.save(
         path,
         {"model": {"w": weights() if values is None else values}},
@@ -41,6 +46,7 @@ def plain(
         inner_chunk_bytes=INNER_CHUNK_BYTES,
         compression=compression,
         rank_state=rank_state,
+        packing=packing,
     )
     return path
 

@@ -222,6 +222,26 @@ def array_folder_linked_to_another_checkpoint(tmp: Path) -> Path:
     return path
 
 
+@attack("load", lc.IntegrityError, "not a regular file|cannot be read")
+def packed_data_files_linked_to_etc_passwd(tmp: Path) -> Path:
+    """The B+tree's nodes and the shards of a packed checkpoint are read through the same
+    checks as shard files, whatever path its data file table names."""
+    path = craft.plain(tmp / "ckpt", packing="ocdbt")
+    for data in (path / "packs/00000/d").iterdir():
+        data.unlink()
+        data.symlink_to("/etc/passwd")
+    return path
+
+
+@attack("load", lc.IntegrityError, "not a regular file|cannot be read")
+def packed_data_file_is_a_fifo(tmp: Path) -> Path:
+    path = craft.plain(tmp / "ckpt", packing="ocdbt")
+    for data in (path / "packs/00000/d").iterdir():
+        data.unlink()
+        os.mkfifo(data)
+    return path
+
+
 @attack("load", lc.IntegrityError, "not a regular file")
 def shard_is_a_fifo(tmp: Path) -> Path:
     path = craft.plain(tmp / "ckpt")

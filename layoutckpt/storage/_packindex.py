@@ -1,0 +1,105 @@
+"""Where each shard of a local packed checkpoint lies, read from its OCDBT B+tree.
+
+A packed checkpoint's shards are values of an OCDBT database, each stored out of line as one
+byte range of a data file. Knowing those ranges, layoutckpt's own shard reader reads a packed
+checkpoint as it reads a plain one (only the index and the inner chunks a box needs, straight
+into the destination) instead of going through TensorStore. ``PackIndex`` walks the B+tree on
+demand: a lookup reads the nodes on the path to its key, each once per index, so a partial
+read of one array reads a few small nodes, not the whole tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..format import _ocdbt
+from . import _os
+from ._shardread import Damaged, Extent
+
+MANIFEST = "manifest.ocdbt"
+
+
+class Inline(Exception):
+    """The value of a key is stored inside its B+tree leaf, not in a data file (TensorStore
+    writes values up to ``max_inline_value_bytes`` so, 100 by default): read it otherwise."""
+
+
+class PackIndex:
+    """The B+tree of the packed checkpoint at ``root``, decoded as lookups need its nodes."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._tree: _ocdbt.Root | None = None
+        self._nodes: dict[_ocdbt.Ref, _ocdbt.Leaf | _ocdbt.Interior] = {}
+
+    def locate(self, key: str) -> Extent | None:
+        """Where the value of ``key`` lies (None where the database has no such key); ``Inline``
+        where it is stored in its leaf; ``Damaged`` where the tree does not decode."""
+        tree = self.tree()
+        ref, height, rest = tree.node, tree.height, key.encode()
+        while ref is not None:
+            node = self.node(ref, height)
+            if isinstance(node, _ocdbt.Leaf):
+                value = node.get(rest)
+                if isinstance(value, bytes):
+                    raise Inline(key)
+                return None if value is None else Extent(value.path, value.offset, value.length)
+            i = node.child(rest)
+            if i is None or not rest.startswith(node.keys[i][: node.common[i]]):
+                return None
+            ref, height, rest = node.children[i], height - 1, rest[node.common[i] :]
+        return None
+
+    def tree(self) -> _ocdbt.Root:
+        if self._tree is None:
+            raw = self._read(_ocdbt.Ref(MANIFEST, 0, -1), "manifest")
+            with _decoding("manifest"):
+                self._tree = _ocdbt.decode_manifest(raw)
+        return self._tree
+
+    def node(self, ref: _ocdbt.Ref, height: int) -> _ocdbt.Leaf | _ocdbt.Interior:
+        node = self._nodes.get(ref)
+        if node is None:
+            raw = self._read(ref, "B+tree node")
+            with _decoding("B+tree node"):
+                node = _ocdbt.decode_node(raw, ref.base, height)
+            with self._lock:
+                self._nodes[ref] = node
+        return node
+
+    def _read(self, ref: _ocdbt.Ref, what: str) -> bytes:
+        """``ref``'s bytes (a whole file for a length of -1), through ``open_regular``: the tree
+        may name any path, and only a regular file inside the checkpoint is read."""
+        if ref.length < -1 or ref.length > _ocdbt.MAX_NODE_BYTES:
+            raise Damaged(False, f"the packed checkpoint's {what} in {ref.path} claims {ref.length} bytes")
+        try:
+            fd = _os.open_regular(self.root, ref.path)
+        except FileNotFoundError:
+            raise Damaged(True, f"the packed checkpoint's {what} file {ref.path} does not exist") from None
+        except OSError as err:
+            raise Damaged(False, f"the packed checkpoint's {what} file {ref.path} cannot be read ({err})") from None
+        try:
+            length = ref.length if ref.length >= 0 else min(os.fstat(fd).st_size, _ocdbt.MAX_NODE_BYTES)
+            raw = os.pread(fd, length, ref.offset)
+        finally:
+            os.close(fd)
+        if len(raw) != length:
+            raise Damaged(False, f"the packed checkpoint's {what} in {ref.path} is cut short")
+        return raw
+
+
+@contextlib.contextmanager
+def _decoding(what: str) -> Iterator[None]:
+    """Bytes that do not decode are damage, named as such; a form this reader does not know is
+    left to the caller (``Unsupported``), which reads through TensorStore instead."""
+    try:
+        yield
+    except _ocdbt.Unsupported:
+        raise
+    except _ocdbt.Malformed as err:
+        raise Damaged(False, f"the packed checkpoint's {what} is damaged: {err}") from None

@@ -1,0 +1,146 @@
+"""Reading OCDBT databases without TensorStore (``format/_ocdbt``, ``storage/_packindex``): every
+key TensorStore wrote is found where TensorStore reads it, across interior nodes, inline and
+out-of-line values and databases merged from others, and damage is named, never misread."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import layoutckpt as lc
+from layoutckpt.format import _ocdbt
+from layoutckpt.storage import _packindex, _packs, _shardread
+from layoutckpt.storage._location import locate
+
+
+def _db(path, **config):
+    spec = {"driver": "ocdbt", "base": f"file://{path}/"}
+    return ts.KvStore.open({**spec, "config": config} if config else spec).result()
+
+
+def _fill(kv, items, per_txn=300):
+    items = list(items)
+    for i in range(0, len(items), per_txn):
+        txn = ts.Transaction(atomic=True)
+        for key, value in items[i : i + per_txn]:
+            kv.with_transaction(txn).write(key, value).result()
+        txn.commit_async().result()
+
+
+def _value_at(root, found):
+    if found is None:
+        return None
+    with open(root / found.path, "rb") as f:
+        f.seek(found.offset)
+        return f.read(found.length)
+
+
+def _items(n, seed, prefix="", sizes=(0, 3, 40, 300, 5000)):
+    rng = random.Random(seed)
+    return {f"{prefix}a{rng.randrange(10**6):06d}/c/{i}": os.urandom(rng.choice(sizes)) for i in range(n)}
+
+
+def _check_all(root, items, index):
+    for key, value in items.items():
+        try:
+            got = _value_at(root, index.locate(key))
+        except _packindex.Inline:
+            got = _db(root).read(key).result().value  # inline: only TensorStore's reader reads it
+            assert len(got) <= 100
+        assert got == value, key
+
+
+def test_small_nodes_make_interior_levels_and_every_key_is_found(tmp_path):
+    """Nodes of at most 1 KiB: a tree several levels deep, keys prefix-compressed at each."""
+    items = _items(3000, seed=1)
+    _fill(_db(tmp_path, max_decoded_node_bytes=1024, max_inline_value_bytes=16), sorted(items.items()))
+    index = _packindex.PackIndex(tmp_path)
+    assert index.tree().height >= 2
+    _check_all(tmp_path, items, index)
+    for absent in ["", "a", "zzz", "a000000/c/0x", next(iter(items)) + "0", next(iter(items))[:-1]]:
+        if absent not in items:
+            assert index.locate(absent) is None, absent
+
+
+def test_a_merged_database_resolves_its_children_data_files(tmp_path):
+    """The layout of a packed checkpoint: each rank's database under ``packs/r/``, their B-trees
+    copied into the root's; their nodes and values stay in the ranks' data files, reached through
+    the transitive paths of the data file tables."""
+    everything = {}
+    for r in range(3):
+        items = _items(700, seed=10 + r, prefix=f"r{r}/", sizes=(3, 40, 300, 5000))  # an empty value is inline
+        _fill(_db(tmp_path / _packs.rank_base(r), max_decoded_node_bytes=2048, max_inline_value_bytes=0), items.items())
+        everything.update(items)
+    _packs.merge(locate(str(tmp_path)), 3)
+    index = _packindex.PackIndex(tmp_path)
+    paths = set()
+    for key, value in everything.items():
+        found = index.locate(key)
+        assert _value_at(tmp_path, found) == value
+        paths.add(found.path.split("/d/")[0])
+    assert paths == {f"packs/{r:05d}" for r in range(3)}
+
+
+def test_a_database_emptied_again_has_no_keys(tmp_path):
+    kv = _db(tmp_path, max_inline_value_bytes=0)
+    kv.write("x", b"1").result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+    index = _packindex.PackIndex(tmp_path)
+    assert index.tree().node is None
+    assert index.locate("x") is None
+
+
+@pytest.mark.parametrize("where", ["manifest", "node"])
+def test_a_flipped_byte_is_damage_never_a_wrong_answer(tmp_path, where):
+    items = _items(200, seed=3)
+    _fill(_db(tmp_path, max_inline_value_bytes=0), items.items())
+    target = tmp_path / "manifest.ocdbt"
+    at = 20
+    if where == "node":
+        ref = _packindex.PackIndex(tmp_path).tree().node
+        target, at = tmp_path / ref.path, ref.offset + ref.length // 2
+    raw = bytearray(target.read_bytes())
+    raw[at] ^= 0x40
+    target.write_bytes(bytes(raw))
+    with pytest.raises(_shardread.Damaged, match=r"crc32c|damaged"):
+        _packindex.PackIndex(tmp_path).locate(next(iter(items)))
+
+
+def test_a_tree_naming_a_path_outside_the_checkpoint_is_refused(tmp_path):
+    """A crafted data file table cannot make the reader open files beyond the checkpoint."""
+    _fill(_db(tmp_path, max_inline_value_bytes=0), [("k", b"v" * 10)])
+    index = _packindex.PackIndex(tmp_path)
+    real = index.tree()
+    index._tree = _ocdbt.Root(_ocdbt.Ref("../../etc/passwd", 0, 100), real.height)
+    with pytest.raises(_shardread.Damaged, match="cannot be read"):
+        index.locate("k")
+
+
+def test_decoding_rejects_truncated_and_trailing_bytes(tmp_path):
+    _fill(_db(tmp_path, max_inline_value_bytes=0), [("k", b"v")])
+    raw = (tmp_path / "manifest.ocdbt").read_bytes()
+    for bad in (raw[:10], raw[:-1], raw + b"\0"):
+        with pytest.raises(_ocdbt.Malformed):
+            _ocdbt.decode_manifest(bad)
+
+
+def test_a_packed_local_checkpoint_loads_through_the_own_reader(tmp_path, monkeypatch):
+    """No array is opened through TensorStore: the shards are read as byte ranges of the data
+    files, with the counts of bytes the plain files' reader keeps."""
+    state = {f"w{i}": np.arange(i * 1000, (i + 1) * 1000, dtype=np.float32).reshape(10, 100) for i in range(20)}
+    state["step"] = np.int64(7)
+    lc.save(tmp_path / "ck", state, packing="ocdbt")
+    from layoutckpt.storage import _store
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an array was opened through TensorStore")
+
+    monkeypatch.setattr(_store, "open_array", refuse)
+    before = _shardread.bytes_read()
+    out = lc.load(tmp_path / "ck")
+    assert all(np.asarray(out[k]).tobytes() == np.asarray(v).tobytes() for k, v in state.items())
+    assert _shardread.bytes_read() - before >= sum(np.asarray(v).nbytes for v in state.values())
