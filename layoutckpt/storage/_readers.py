@@ -1,9 +1,10 @@
 """The two ways a box of a stored array comes back, behind one interface (``BoxReader``).
 
-A local checkpoint's shard files are read by layoutckpt itself (``_shardread.read_box``): only
-the index and the inner chunks a box touches, each checked and copied straight into the
-destination, one copy fewer than TensorStore's path. Every other store (object stores,
-``memory://``) is read through TensorStore, which copies each decoded chunk into the destination.
+A local checkpoint's shard files, or a local packed one's data files, are read by layoutckpt
+itself (``_shardread.read_box``): only the index and the inner chunks a box touches, each checked
+and copied straight into the destination, one copy fewer than TensorStore's path. Every other
+store (object stores, ``memory://``) is read through TensorStore, which copies each decoded chunk
+into the destination.
 A location says which reader it needs (``Location.box_reader``); the read engine
 (``engine._read``) schedules both alike, asking only whether a reader's reads block.
 """
@@ -77,13 +78,16 @@ class BoxReader(abc.ABC):
 
 
 class ShardFileReader(BoxReader):
-    """A local checkpoint, read from its shard files."""
+    """A local checkpoint, read from its shard files (where ``locate`` puts them)."""
 
     blocking = True
 
-    def __init__(self, root: Path, where: str, complete: bool, io: IOConfig) -> None:
+    def __init__(
+        self, root: Path, where: str, complete: bool, io: IOConfig, locate: _shardread.Locate = _shardread.Extent
+    ) -> None:
         super().__init__(where, complete, io)
         self.root = root
+        self.locate = locate
 
     def pieces(self, meta: ArrayMeta, box: Box, *, stream: bool) -> list[tuple[Box, bool]]:
         nbytes = box_size(box) * _itemsize(meta)
@@ -96,7 +100,14 @@ class ShardFileReader(BoxReader):
     def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
         try:
             return _shardread.read_box(
-                self.root, meta, box, out, all_chunks_stored=self.complete, prefetch=prefetch, io=self.io
+                self.root,
+                meta,
+                box,
+                out,
+                all_chunks_stored=self.complete,
+                prefetch=prefetch,
+                io=self.io,
+                locate=self.locate,
             )
         except _shardread.Damaged as err:
             raise _store.damaged(name, self.where, missing=err.missing, detail=str(err)) from None
@@ -105,30 +116,18 @@ class ShardFileReader(BoxReader):
 class PackedFileReader(ShardFileReader):
     """A local packed checkpoint, read from its data files as a plain one is from its shard
     files: the shards' byte ranges come from the database's B+tree (``_packindex``). A shard
-    stored inside its leaf (a checkpoint written before packs stored every value out of line)
-    or a database in a form ``_packindex`` does not read goes through ``fallback``."""
+    stored inside its leaf (packs written by earlier releases) or a database in a form
+    ``_packindex`` does not read goes through ``fallback``."""
 
     def __init__(self, root: Path, where: str, complete: bool, io: IOConfig, fallback: BoxReader) -> None:
-        super().__init__(root, where, complete, io)
-        self.index = _packindex.PackIndex(root)
+        super().__init__(root, where, complete, io, _packindex.PackIndex(root).locate)
         self.fallback = fallback
 
     def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
         try:
-            return _shardread.read_box(
-                self.root,
-                meta,
-                box,
-                out,
-                all_chunks_stored=self.complete,
-                prefetch=prefetch,
-                io=self.io,
-                locate=self.index.locate,
-            )
+            return super().read(name, meta, box, out, prefetch=prefetch)
         except (_packindex.Inline, Unsupported):
             return self.fallback.read(name, meta, box, out)
-        except _shardread.Damaged as err:
-            raise _store.damaged(name, self.where, missing=err.missing, detail=str(err)) from None
 
     def close(self) -> None:
         self.fallback.close()
