@@ -57,7 +57,12 @@ class PackIndex:
 
     def tree(self) -> _ocdbt.Root:
         if self._tree is None:
-            raw = self._read(_ocdbt.Ref(MANIFEST, 0, -1), "manifest")
+            try:
+                raw = _os.read_regular(self.root, MANIFEST, _ocdbt.MAX_NODE_BYTES)
+            except FileNotFoundError:
+                raise Damaged(True, f"the packed checkpoint's {MANIFEST} does not exist") from None
+            except OSError as err:
+                raise Damaged(False, f"the packed checkpoint's {MANIFEST} cannot be read ({err})") from None
             with _decoding("manifest"):
                 self._tree = _ocdbt.decode_manifest(raw)
         return self._tree
@@ -73,9 +78,9 @@ class PackIndex:
         return node
 
     def _read(self, ref: _ocdbt.Ref, what: str) -> bytes:
-        """``ref``'s bytes (a whole file for a length of -1), through ``open_regular``: the tree
-        may name any path, and only a regular file inside the checkpoint is read."""
-        if ref.length < -1 or ref.length > _ocdbt.MAX_NODE_BYTES:
+        """``ref``'s bytes, through ``open_regular``: the tree may name any path, and only a
+        regular file inside the checkpoint is read."""
+        if ref.length > _ocdbt.MAX_NODE_BYTES:
             raise Damaged(False, f"the packed checkpoint's {what} in {ref.path} claims {ref.length} bytes")
         try:
             fd = _os.open_regular(self.root, ref.path)
@@ -84,11 +89,10 @@ class PackIndex:
         except OSError as err:
             raise Damaged(False, f"the packed checkpoint's {what} file {ref.path} cannot be read ({err})") from None
         try:
-            length = ref.length if ref.length >= 0 else min(os.fstat(fd).st_size, _ocdbt.MAX_NODE_BYTES)
-            raw = os.pread(fd, length, ref.offset)
+            raw = os.pread(fd, ref.length, ref.offset)
         finally:
             os.close(fd)
-        if len(raw) != length:
+        if len(raw) != ref.length:
             raise Damaged(False, f"the packed checkpoint's {what} in {ref.path} is cut short")
         return raw
 
