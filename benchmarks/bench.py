@@ -102,9 +102,11 @@ MEASUREMENTS: dict[str, dict[str, Any]] = {
     "dcp_reshard": dict(group="reshard", system="dcp", needs="dcp_save", files="dcp"),
     # in place: into tensors made (and touched) once, before the reads, as a training job
     # resumes into its model and optimizer; ``memcpy_load`` copies the same bytes between such
-    # tensors, ``raw_read_into`` reads the raw files into such a buffer (no files to evict)
+    # tensors, ``raw_read_into`` reads the raw files into such a buffer (no files to evict),
+    # ``checked_read_into`` also checks each piece's crc32c and copies it into the tensors
     "memcpy_load": dict(group="load", system="limit", needs="raw_write", files=None),
     "raw_read_into": dict(group="load", system="limit", needs="raw_write", files="raw"),
+    "checked_read_into": dict(group="load", system="limit", needs="raw_write", files="raw"),
     "lc_load_inplace": dict(group="load", system="lc", needs="lc_save", files="lc"),
     "dcp_load_inplace": dict(group="load", system="dcp", needs="dcp_save", files="dcp"),
     "bcp_load": dict(group="load", system="bcp", needs="bcp_save", files="bcp"),
@@ -120,6 +122,11 @@ MEASUREMENTS: dict[str, dict[str, Any]] = {
     "torch_mmap_rows": dict(group="partial", system="torch", needs="torch_save", files="torch", rank0=True),
 }
 WRITES = [k for k, m in MEASUREMENTS.items() if "files" not in m]
+CHECKED_READ = "checked read into the tensors"
+# The pieces of the checked read: the largest read layoutckpt's shard reader makes from a warm
+# file (``_shardread.CACHED_RUN_BYTES``), small enough to stay in the cache between the read,
+# the checksum and the copy.
+CHECKED_PIECE = 2 << 20
 READS = [k for k, m in MEASUREMENTS.items() if "files" in m]
 GROUPS = sorted({m["group"] for m in MEASUREMENTS.values()})
 SYSTEMS = sorted({m["system"] for m in MEASUREMENTS.values()} - {"limit"})
@@ -155,11 +162,13 @@ READ_ROWS = [
     ("load resharded", "DCP load", "dcp_reshard", "reshard", "peer"),
     ("load in place", "memcpy", "memcpy_load", "local", "limit"),
     ("load in place", "raw read into a buffer", "raw_read_into", "local", "limit"),
+    ("load in place", CHECKED_READ, "checked_read_into", "local", "limit"),
     ("load in place", "layoutckpt load(inplace=True)", "lc_load_inplace", "local", "lc"),
     ("load in place", "DCP load", "dcp_load_inplace", "local", "peer"),
     ("load in place", "ByteCheckpoint load", "bcp_load", "local", "peer"),
     ("load resharded in place", "memcpy", "memcpy_load", "local", "limit"),
     ("load resharded in place", "raw read into a buffer", "raw_read_into", "local", "limit"),
+    ("load resharded in place", CHECKED_READ, "checked_read_into", "local", "limit"),
     ("load resharded in place", "layoutckpt load(inplace=True)", "lc_reshard_inplace", "reshard", "lc"),
     ("load resharded in place", "DCP load", "dcp_reshard_inplace", "reshard", "peer"),
     ("load resharded in place", "ByteCheckpoint load", "bcp_reshard", "reshard", "peer"),
@@ -434,9 +443,7 @@ class _Rank:
                 done.result()
 
     def lc_save(self) -> dict[str, Any]:
-        # Plain files, whatever the default packs: these rows measure the own shard-file writer
-        # and reader against the peers; benchmarks/packing.py compares packed with plain.
-        res = self.lc.save(self.paths["lc"], self.state, self.layout, packing="files")
+        res = self.lc.save(self.paths["lc"], self.state, self.layout, packing=self.opts["packing"])
         return {"_timings": {**_phases(res), "bytes_written": res.metrics.bytes}}
 
     def bcp_save(self) -> None:
@@ -478,7 +485,7 @@ class _Rank:
 
     def lc_async(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        fut = self.lc.save_async(self.paths["lc_async"], self.state, self.layout)
+        fut = self.lc.save_async(self.paths["lc_async"], self.state, self.layout, packing=self.opts["packing"])
         blocked = time.perf_counter() - t0
         res = fut.result()
         return {"_timings": {"blocked": blocked, "blocked_seconds": res.blocked_seconds, **_phases(res)}}
@@ -583,6 +590,23 @@ class _Rank:
             for a in range(0, len(view), piece):
                 f.readinto(view[a : a + piece])
         return self.raw_buffer
+
+    def checked_read_into(self) -> Any:
+        """The raw file read in pieces into one reused buffer, each piece's crc32c computed and
+        the piece copied into the in-place tensors: the least a load pays that checks every
+        byte it reads and places it in existing memory, with no per-chunk work at all. The
+        memcpy's destinations take the bytes: the loads' own are checked after their loads."""
+        import crc32c
+
+        piece = memoryview(self.raw_buffer.numpy()[:CHECKED_PIECE])
+        targets = [t.view(self.torch.uint8).reshape(-1).numpy() for t in self.memcpy_pair[1]]
+        with open(os.path.join(self.paths["raw"], f"rank{self.rank}.bin"), "rb", buffering=0) as f:
+            for target in targets:
+                for a in range(0, len(target), CHECKED_PIECE):
+                    n = f.readinto(piece[: min(CHECKED_PIECE, len(target) - a)])
+                    crc32c.crc32c(piece[:n])
+                    target[a : a + n] = piece[:n]
+        return targets
 
     def lc_into(self, key: str) -> Any:
         layout = self.layout if key == "same" else self.swapped
@@ -694,6 +718,7 @@ class _Rank:
             "dcp_reshard": lambda: self.dcp_load(SWAPPED_RULES),
             "memcpy_load": self.memcpy_load,
             "raw_read_into": self.raw_read_into,
+            "checked_read_into": self.checked_read_into,
             "lc_load_inplace": lambda: self.lc_into("same"),
             "dcp_load_inplace": lambda: self.dcp_into("same"),
             "bcp_load": lambda: self.bcp_into("same"),
@@ -749,6 +774,7 @@ class _Rank:
             for name in ("lc", "torch", "dcp", "st", "orbax", "raw", "raw_streams", "bcp")
             if self.rank == 0
         }
+        lc_packing = self.lc.open(self.paths["lc"]).meta.packing if "lc_save" in chosen else None
         balance = self.write_balance(per)
 
         # The reads: the state, the staging pool and every other big buffer are dropped first,
@@ -762,7 +788,11 @@ class _Rank:
         except ImportError:
             pass
         release_memory(full=True)
-        if any(k in chosen for k in READS if "inplace" in k or k.startswith(("bcp_", "memcpy_", "raw_read_into"))):
+        if any(
+            k in chosen
+            for k in READS
+            if "inplace" in k or k.startswith(("bcp_", "memcpy_", "raw_read_into", "checked_read_into"))
+        ):
             self.make_inplace()
         reads = self.read_ops()
         for rep in range(repeats):
@@ -787,6 +817,7 @@ class _Rank:
             "bytes": self.nbytes,
             "digest_checks": self.compare_digests(),
             "files_written": files_written,
+            "lc_packing": lc_packing,
             "write_balance": balance,
             "loadavg": [load0, os.getloadavg()],
             "device": str(self.device),
@@ -879,10 +910,15 @@ def _rank_file_bytes(path: str, rank: int) -> int:
 
 
 def _data_files(path: str, system: str) -> int:
-    """Data files a checkpoint holds: layoutckpt's shard files (every file but its ``.json``
-    documents), DCP's and ByteCheckpoint's ``.distcp`` rank files."""
+    """Data files a checkpoint holds: a plain layoutckpt checkpoint's shard files (every file but
+    its ``.json`` documents), a packed one's data files (``packs/<rank>/d/``: the shards, with
+    the rank's B+tree nodes; the manifests and the merged tree are metadata, as the documents
+    are), DCP's and ByteCheckpoint's ``.distcp`` rank files."""
     files = files_under(path)
     if system == "lc":
+        packs = os.path.join(path, "packs")
+        if os.path.isdir(packs):
+            return sum(1 for f in files if f.startswith(packs) and os.path.basename(os.path.dirname(f)) == "d")
         return sum(1 for f in files if not f.endswith(".json"))
     return sum(1 for f in files if f.endswith(".distcp"))
 
@@ -987,7 +1023,13 @@ def summarize(per_rank: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str,
         row["best_peer"] = best["system"] if best else None
         row["vs_peer"] = row["gbps"] / best["gbps"] if best and row["role"] != "limit" else None
         row["vs_limit"] = row["gbps"] / limit["gbps"] if limit and row["role"] != "limit" else None
-    return {"rows": rows, "targets": targets(rows), "save_context": save_context(rows), "logical_bytes": logical}
+    return {
+        "rows": rows,
+        "targets": targets(rows),
+        "save_context": save_context(rows),
+        "load_context": load_context(rows),
+        "logical_bytes": logical,
+    }
 
 
 def write_balance(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1053,6 +1095,26 @@ def save_context(rows: list[dict[str, Any]]) -> dict[str, float]:
             out[key] = r["gbps"] / raw["gbps"]
     if "DCP save" in out:
         out["1.5x DCP save"] = 1.5 * out["DCP save"]
+    return out
+
+
+def load_context(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Warm in-place loads over the checked read of the same bytes (read, crc32c, copy into
+    place, no per-chunk work), per operation: where 2x DCP is above 1, the target asks for more
+    than any load that checks every byte it reads can give on this machine."""
+    out = {}
+    for op in ("load in place", "load resharded in place"):
+        floor = _row(rows, op, CHECKED_READ, "warm")
+        if floor is None:
+            continue
+        ratios = {}
+        for key, system in (("layoutckpt", "layoutckpt load(inplace=True)"), ("DCP", "DCP load")):
+            r = _row(rows, op, system, "warm")
+            if r is not None:
+                ratios[key] = r["gbps"] / floor["gbps"]
+        if "DCP" in ratios:
+            ratios["2x DCP"] = 2 * ratios["DCP"]
+        out[op] = ratios
     return out
 
 
@@ -1214,6 +1276,8 @@ def print_table(world: int, summary: dict[str, Any], info: dict[str, Any]) -> No
             "  save GB/s over the one-stream raw write+fsync: "
             + ", ".join(f"{name} {value:.2f}" for name, value in context.items())
         )
+    for op, ratios in (summary.get("load_context") or {}).items():
+        print(f"  warm {op} GB/s over the checked read's: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
 
 
 def provenance() -> dict[str, Any]:
@@ -1328,6 +1392,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--only", help=f"comma-separated groups {GROUPS} and/or systems {SYSTEMS}; the limits always run"
     )
+    parser.add_argument(
+        "--packing",
+        choices=("auto", "files", "ocdbt"),
+        default="auto",
+        help="layoutckpt's packing (default auto, the library's: packed above 1,000 stored objects)",
+    )
     args = parser.parse_args(argv)
 
     import torch.multiprocessing as mp
@@ -1391,6 +1461,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "measurements": measurements,
                 "delete_between": args.delete_between,
                 "truncate_aside": truncate_aside,
+                "packing": args.packing,
             }
             t0 = time.perf_counter()
             mp.spawn(_rank_main, args=(world, opts), nprocs=world, join=True)
@@ -1406,6 +1477,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     k: all(r["digest_checks"].get(k, True) for r in per_rank) for k in per_rank[0]["digest_checks"]
                 },
                 "files_written": per_rank[0]["files_written"],
+                "lc_packing": per_rank[0].get("lc_packing"),
                 "loadavg": per_rank[0]["loadavg"],
                 "device": per_rank[0]["device"],
                 "wall_s": time.perf_counter() - t0,

@@ -30,11 +30,18 @@ WRITE_ROWS = {
     "save_async commit": ["raw write+fsync", "layoutckpt save_async", "DCP async_save"],
 }
 PARTIAL = ["raw read", "layoutckpt open().read", "torch.load whole ckpt", "torch.load(mmap=True)"]
+IN_PLACE = [
+    "memcpy",
+    "raw read into a buffer",
+    "checked read into the tensors",
+    "layoutckpt load(inplace=True)",
+    "DCP load",
+]
 READ_ROWS = {
     "load": ["raw read", "layoutckpt load", "torch.load", "DCP load", "safetensors load_file (rank 0)"],
     "load resharded": ["raw read", "layoutckpt load", "DCP load"],
-    "load in place": ["memcpy", "raw read into a buffer", "layoutckpt load(inplace=True)", "DCP load"],
-    "load resharded in place": ["memcpy", "raw read into a buffer", "layoutckpt load(inplace=True)", "DCP load"],
+    "load in place": IN_PLACE,
+    "load resharded in place": IN_PLACE,
     "read 1 tensor (rank 0)": PARTIAL,
     "read 8 rows (rank 0)": PARTIAL,
 }
@@ -104,6 +111,14 @@ def test_quick_run_reports_every_row(tmp_path):
         assert set(context) == {"parallel raw write", "layoutckpt save"} | dcp
         if dcp:
             assert context["1.5x DCP save"] == pytest.approx(1.5 * context["DCP save"])
+        # warm in-place loads over the checked read of the same bytes, the floor of a checked load
+        for op in ("load in place", "load resharded in place"):
+            ratios = res["load_context"][op]
+            assert ratios["layoutckpt"] > 0
+            if dcp:
+                assert ratios["2x DCP"] == pytest.approx(2 * ratios["DCP"])
+        # the library's default packing: the quick state is small, so plain files
+        assert results["options"]["packing"] == "auto" and res["lc_packing"] == "files"
 
 
 @pytest.mark.parametrize("only", ["partial,lc", "nosuch"])

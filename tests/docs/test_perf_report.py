@@ -108,6 +108,23 @@ def test_a_missing_value_or_world_shows_as_such_and_an_unrecorded_commit_says_so
     assert "| torch.load whole ckpt time / partial read of 1 tensor time >= 20 | 28.4 PASS | 23.9 PASS | - |" in table
 
 
+def test_load_context_and_packing_are_rendered_where_every_world_size_recorded_them():
+    results = copy.deepcopy(RESULTS)
+    for w, packing, lc in (("1", "files", 0.5), ("2", "files", 0.4), ("10", "ocdbt", 0.3)):
+        results["worlds"][w]["lc_packing"] = packing
+        results["worlds"][w]["load_context"] = {"load in place": {"layoutckpt": lc, "DCP": 0.25, "2x DCP": 0.5}}
+    results["options"]["packing"] = "auto"
+    table = report.render(results)
+    assert "layoutckpt's checkpoints: files at N = 1, files at N = 2, ocdbt at N = 10 (`packing=` auto)." in table
+    assert (
+        "| warm load in place GB/s over the checked read's: layoutckpt / DCP / 2x DCP "
+        "| 0.50 / 0.25 / 0.50 | 0.40 / 0.25 / 0.50 | 0.30 / 0.25 / 0.50 |"
+    ) in table
+    # a world size without it (an older run) drops the row rather than show part of it
+    del results["worlds"]["2"]["load_context"]
+    assert "checked read" not in report.render(results)
+
+
 PAGE = """\
 # Performance
 
