@@ -54,6 +54,21 @@ def rank_base(rank: int) -> str:
     return f"{PACKS}/{rank:05d}"
 
 
+# A rank's shards go into up to this many data files, none smaller than ``MIN_PACK_BYTES``
+# unless the rank has less: a transaction's data file is written while the next one fills, so
+# all but the last file's writing overlaps the encoding, where one transaction for everything
+# would start writing only once every shard is encoded.
+PACKS_PER_RANK = 4
+MIN_PACK_BYTES = 64 << 20
+
+
+def pack_io(io: IOConfig, nbytes: int) -> IOConfig:
+    """``io`` for a rank packing ``nbytes`` of shards: ``pack_bytes`` lowered to a
+    ``PACKS_PER_RANK``-th of them, down to ``MIN_PACK_BYTES``."""
+    share = max(MIN_PACK_BYTES, -(-nbytes // PACKS_PER_RANK))
+    return io if share >= io.pack_bytes else io.replace(pack_bytes=share)
+
+
 # The configuration of the ranks' databases: every value out of line, in a data file, so that
 # layoutckpt's own reader finds each shard as a byte range (``PackedFileReader``).
 OUT_OF_LINE = {"max_inline_value_bytes": 0}

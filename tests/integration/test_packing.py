@@ -260,6 +260,34 @@ def test_pack_bytes_bounds_each_data_file(tmp_path):
     assert sizes[-2] <= pack + shard + 4096 and sizes[-1] <= pack + shard + 128 * 1024, sizes
 
 
+def test_pack_io_spreads_a_rank_over_a_few_data_files():
+    """A rank's shards go into up to ``PACKS_PER_RANK`` data files of at least ``MIN_PACK_BYTES``,
+    never more bytes per file than ``pack_bytes`` allows."""
+    io = lc.IOConfig()
+    mib = 1 << 20
+    assert _packs.pack_io(io, 1024 * mib).pack_bytes == 256 * mib
+    assert _packs.pack_io(io, 100 * mib).pack_bytes == _packs.MIN_PACK_BYTES
+    assert _packs.pack_io(io, 64 * 1024 * mib) is io  # 1 GiB files: 64 of them, none larger
+    small = lc.IOConfig(pack_bytes=64 << 10)
+    assert _packs.pack_io(small, 1024 * mib) is small
+
+
+def test_a_save_writes_its_first_data_files_while_it_encodes_the_rest(tmp_path, monkeypatch):
+    """With the default ``pack_bytes``, 1 MiB of shards and the smallest pack lowered to 64 KiB (as
+    256 MiB of shards would see 64 MiB): four data files of about a quarter each, not one
+    written at the end, and everything reads back."""
+    monkeypatch.setattr(_packs, "MIN_PACK_BYTES", 64 << 10)
+    state = pack_state(64, 16 << 10)
+    path = tmp_path / "spread"
+    lc.save(path, state, packing="ocdbt")
+    sizes = sorted(f.stat().st_size for f in data_files(path))
+    assert len(sizes) == _packs.PACKS_PER_RANK, sizes
+    # the last transaction also holds the rank's share of the zarr.json documents
+    assert all(s <= (256 << 10) + (16 << 10) + 4096 for s in sizes[:-1]), sizes
+    out = lc.load(path)
+    assert all(bits(out[k]) == bits(v) for k, v in state.items())
+
+
 def test_one_transaction_is_one_data_file(tmp_path):
     """With the default ``pack_bytes`` a rank's save is one transaction, so one data file: checked
     on five saves of 600 arrays to ``memory://`` (where the batching shows most)."""
