@@ -410,7 +410,7 @@ class _Rank:
             yield memoryview(t.cpu().reshape(-1).view(self.torch.uint8).numpy())
 
     def raw_write(self) -> None:
-        with open(os.path.join(self.paths["raw"], f"rank{self.rank}.bin"), "wb", buffering=0) as f:
+        with open(self.raw_file, "wb", buffering=0) as f:
             for view in self.state_bytes():
                 _write_all(f, view)
             os.fsync(f.fileno())
@@ -545,8 +545,13 @@ class _Rank:
 
     # --- reads (the state dropped) ----------------------------------------------------------
 
+    @property
+    def raw_file(self) -> str:
+        """This rank's file of the raw write, which the raw and checked reads read back."""
+        return os.path.join(self.paths["raw"], f"rank{self.rank}.bin")
+
     def raw_read(self, nbytes: int | None = None) -> Any:
-        path = os.path.join(self.paths["raw"], f"rank{self.rank}.bin")
+        path = self.raw_file
         nbytes = min(os.path.getsize(path), nbytes if nbytes is not None else self.nbytes["local"])
         buf = self.torch.empty(nbytes, dtype=self.torch.uint8)
         view = memoryview(buf.numpy())
@@ -586,7 +591,7 @@ class _Rank:
         reader through ``read`` calls pays."""
         view = memoryview(self.raw_buffer.numpy())
         piece = 64 << 20
-        with open(os.path.join(self.paths["raw"], f"rank{self.rank}.bin"), "rb", buffering=0) as f:
+        with open(self.raw_file, "rb", buffering=0) as f:
             for a in range(0, len(view), piece):
                 f.readinto(view[a : a + piece])
         return self.raw_buffer
@@ -600,7 +605,7 @@ class _Rank:
 
         piece = memoryview(self.raw_buffer.numpy()[:CHECKED_PIECE])
         targets = [t.view(self.torch.uint8).reshape(-1).numpy() for t in self.memcpy_pair[1]]
-        with open(os.path.join(self.paths["raw"], f"rank{self.rank}.bin"), "rb", buffering=0) as f:
+        with open(self.raw_file, "rb", buffering=0) as f:
             for target in targets:
                 for a in range(0, len(target), CHECKED_PIECE):
                     n = f.readinto(piece[: min(CHECKED_PIECE, len(target) - a)])
@@ -774,7 +779,7 @@ class _Rank:
             for name in ("lc", "torch", "dcp", "st", "orbax", "raw", "raw_streams", "bcp")
             if self.rank == 0
         }
-        lc_packing = self.lc.open(self.paths["lc"]).meta.packing if "lc_save" in chosen else None
+        lc_packing = self.lc.open(self.paths["lc"]).meta.packing if self.rank == 0 and "lc_save" in chosen else None
         balance = self.write_balance(per)
 
         # The reads: the state, the staging pool and every other big buffer are dropped first,
