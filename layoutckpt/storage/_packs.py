@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import functools
 import math
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,8 @@ class PackWriter(ShardObjectWriter):
     def __init__(self, staging: Location, rank: int, io: IOConfig, in_flight: InFlight | None = None) -> None:
         super().__init__(PackView(staging, rank_base(rank), OUT_OF_LINE), io, in_flight)
         self.staging = staging
+        self._data = staging.root / rank_base(rank) / "d" if isinstance(staging, LocalDir) else None
+        self._flushing: set[str] = set()  # data files whose writeback was started
         self._txn = _transaction()
         self._txn_bytes = 0
         self._commits: list[Any] = []
@@ -160,8 +163,25 @@ class PackWriter(ShardObjectWriter):
         # one waited for bounds what is held to two transactions (this one, the one filling).
         if self._commits:
             self._commits[-1].result()
+            self._start_writeback()
         self._commits.append(self._txn.commit_async())
         self._txn, self._txn_bytes = _transaction(), 0
+
+    def _start_writeback(self) -> None:
+        """Ask the kernel to start writing the data files committed so far to a local disk
+        (``_os.start_writeback``): TensorStore writes them through the page cache, where the
+        save's final sync would find them all still in memory. No commit is in flight here, so
+        every file listed is whole."""
+        if self._data is None or not self._data.is_dir():
+            return
+        for name in os.listdir(self._data):
+            if name not in self._flushing:
+                self._flushing.add(name)
+                fd = os.open(self._data / name, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    _os.start_writeback(fd)
+                finally:
+                    os.close(fd)
 
     def join(self) -> int:
         written = self._threads.join()

@@ -18,6 +18,7 @@ import base64
 import itertools
 import json
 import math
+import os
 import urllib.request
 import warnings
 from collections import Counter
@@ -286,6 +287,21 @@ def test_a_save_writes_its_first_data_files_while_it_encodes_the_rest(tmp_path, 
     assert all(s <= (256 << 10) + (16 << 10) + 4096 for s in sizes[:-1]), sizes
     out = lc.load(path)
     assert all(bits(out[k]) == bits(v) for k, v in state.items())
+
+
+def test_each_committed_data_file_starts_its_writeback_before_the_save_ends(tmp_path, monkeypatch):
+    """TensorStore writes a data file through the page cache: once its transaction commits, the
+    kernel is asked to start writing it to disk (``_os.start_writeback``), so the save's final
+    sync does not find every file still in memory: each of the four data files, whole."""
+    monkeypatch.setattr(_packs, "MIN_PACK_BYTES", 64 << 10)
+    started: list[int] = []
+    real = _packs._os.start_writeback
+    monkeypatch.setattr(_packs._os, "start_writeback", lambda fd: (started.append(os.fstat(fd).st_size), real(fd)))
+    path = tmp_path / "wb"
+    lc.save(path, pack_state(64, 16 << 10), packing="ocdbt")
+    sizes = sorted(f.stat().st_size for f in data_files(path))
+    assert len(sizes) == _packs.PACKS_PER_RANK
+    assert sorted(started) == sizes, (started, sizes)  # each file once, at its final size
 
 
 def test_one_transaction_is_one_data_file(tmp_path):
