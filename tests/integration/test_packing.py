@@ -273,15 +273,21 @@ def test_pack_io_spreads_a_rank_over_a_few_data_files():
     assert _packs.pack_io(small, 1024 * mib) is small
 
 
-def test_a_save_writes_its_first_data_files_while_it_encodes_the_rest(tmp_path, monkeypatch):
-    """With the default ``pack_bytes``, 1 MiB of shards and the smallest pack lowered to 64 KiB (as
-    256 MiB of shards would see 64 MiB): four data files of about a quarter each, not one
-    written at the end, and everything reads back."""
+def spread_save(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, np.ndarray], list[int]]:
+    """1 MiB of shards (64 arrays of 16 KiB) saved packed with the default ``pack_bytes`` and the
+    smallest pack lowered to 64 KiB (as 256 MiB of shards would see 64 MiB): the state, and the
+    sizes of the rank's data files, sorted."""
     monkeypatch.setattr(_packs, "MIN_PACK_BYTES", 64 << 10)
     state = pack_state(64, 16 << 10)
-    path = tmp_path / "spread"
     lc.save(path, state, packing="ocdbt")
-    sizes = sorted(f.stat().st_size for f in data_files(path))
+    return state, sorted(f.stat().st_size for f in data_files(path))
+
+
+def test_a_save_writes_its_first_data_files_while_it_encodes_the_rest(tmp_path, monkeypatch):
+    """Four data files of about a quarter each, not one written at the end, and everything
+    reads back."""
+    path = tmp_path / "spread"
+    state, sizes = spread_save(path, monkeypatch)
     assert len(sizes) == _packs.PACKS_PER_RANK, sizes
     # the last transaction also holds the rank's share of the zarr.json documents
     assert all(s <= (256 << 10) + (16 << 10) + 4096 for s in sizes[:-1]), sizes
@@ -293,13 +299,10 @@ def test_each_committed_data_file_starts_its_writeback_before_the_save_ends(tmp_
     """TensorStore writes a data file through the page cache: once its transaction commits, the
     kernel is asked to start writing it to disk (``_os.start_writeback``), so the save's final
     sync does not find every file still in memory: each of the four data files, whole."""
-    monkeypatch.setattr(_packs, "MIN_PACK_BYTES", 64 << 10)
     started: list[int] = []
     real = _packs._os.start_writeback
     monkeypatch.setattr(_packs._os, "start_writeback", lambda fd: (started.append(os.fstat(fd).st_size), real(fd)))
-    path = tmp_path / "wb"
-    lc.save(path, pack_state(64, 16 << 10), packing="ocdbt")
-    sizes = sorted(f.stat().st_size for f in data_files(path))
+    _, sizes = spread_save(tmp_path / "wb", monkeypatch)
     assert len(sizes) == _packs.PACKS_PER_RANK
     assert sorted(started) == sizes, (started, sizes)  # each file once, at its final size
 
