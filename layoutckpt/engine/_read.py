@@ -277,6 +277,8 @@ class BackgroundReads:
                 self._results[r.key] = out
         except BaseException as err:  # noqa: BLE001 - raised by join() on the caller's thread
             self._error = err
+        finally:
+            reader.close()  # the files it kept open: the load is its only user
 
     @property
     def in_flight(self) -> InFlight:

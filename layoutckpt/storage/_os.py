@@ -249,7 +249,21 @@ def open_regular(root: Path, rel: str) -> int:
     or a directory. ``O_NONBLOCK`` keeps a FIFO from blocking the open; it changes nothing for
     a regular file.
     """
-    root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    root_fd = open_dir(root)
+    try:
+        return open_regular_at(root_fd, rel)[0]
+    finally:
+        os.close(root_fd)
+
+
+def open_dir(root: Path) -> int:
+    """The directory ``root`` opened, for ``open_regular_at``."""
+    return os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+
+
+def open_regular_at(root_fd: int, rel: str) -> tuple[int, int]:
+    """``open_regular`` under a directory already open (a reader of many files opens it once):
+    the file and its size."""
     try:
         fd = _openat2(root_fd, rel) if _openat2_works else None
         if fd is None:
@@ -258,17 +272,15 @@ def open_regular(root: Path, rel: str) -> int:
         if err.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):
             raise NotRegularFile(err.errno, "a symbolic link or a path leaving the checkpoint", rel) from None
         raise
-    finally:
-        os.close(root_fd)
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
     except BaseException:
         os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise NotRegularFile(errno.EINVAL, f"not a regular file (mode {stat.filemode(mode)})", rel)
-    return fd
+        raise NotRegularFile(errno.EINVAL, f"not a regular file (mode {stat.filemode(st.st_mode)})", rel)
+    return fd, st.st_size
 
 
 def read_regular(root: Path, rel: str, max_bytes: int) -> bytes:

@@ -73,7 +73,7 @@ class BoxReader(abc.ABC):
         """``read`` put in flight; only for readers that do not block."""
         raise NotImplementedError(f"{type(self).__name__} reads block; run read() on a thread")
 
-    def close(self) -> None:  # noqa: B027 - a reader of files keeps nothing open
+    def close(self) -> None:  # noqa: B027 - most readers keep nothing open
         """Drop what the reader keeps open; a later read opens it again."""
 
 
@@ -88,6 +88,7 @@ class ShardFileReader(BoxReader):
         super().__init__(where, complete, io)
         self.root = root
         self.locate = locate
+        self.files = _shardread.Files(root)
 
     def pieces(self, meta: ArrayMeta, box: Box, *, stream: bool) -> list[tuple[Box, bool]]:
         nbytes = box_size(box) * _itemsize(meta)
@@ -108,9 +109,13 @@ class ShardFileReader(BoxReader):
                 prefetch=prefetch,
                 io=self.io,
                 locate=self.locate,
+                files=self.files,
             )
         except _shardread.Damaged as err:
             raise _store.damaged(name, self.where, missing=err.missing, detail=str(err)) from None
+
+    def close(self) -> None:
+        self.files.close()
 
 
 class PackedFileReader(ShardFileReader):
@@ -130,6 +135,7 @@ class PackedFileReader(ShardFileReader):
             return self.fallback.read(name, meta, box, out)
 
     def close(self) -> None:
+        super().close()
         self.fallback.close()
 
 

@@ -17,11 +17,13 @@ since reading ahead would only add a hand-off per run.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,6 +51,9 @@ CACHED_RUN_BYTES = 2 << 20
 # A large read of a shard asks the page cache for this much of it first: where it has it, the
 # file is taken as warm and read on the caller's thread (a read-ahead thread only adds hand-offs).
 PROBE_BYTES = 4096
+# A shard a box wants whole is read with one call up to this size (its chunks, binding block and
+# index): the buffer stays in the cache, and the per-shard calls are fewer.
+WHOLE_SHARD_BYTES = 4 << 20
 
 _read_lock = threading.Lock()
 _bytes_read = 0  # every byte read_box has read in this process: a counter tests and demos show
@@ -75,6 +80,59 @@ class Extent:
 # Where the shard at a key (``<array path>/<chunk key>``) lies; None where it is not stored.
 Locate = Callable[[str], Extent | None]
 
+# A reader keeps at most this many data files open; past it, each shard opens its file again.
+KEPT_FILES = 64
+
+
+class Files:
+    """The files one reader opens under a checkpoint's root: the root opened once, and the data
+    files of a packed checkpoint, which many shards share, kept open until ``close`` (or until
+    the reader is dropped). A plain checkpoint's shard files are opened for each read: each is
+    read once by a load, and there are thousands of them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._open: dict[str | None, tuple[int, int]] = {}  # path -> (fd, size); None: the root
+        self._finalizer = weakref.finalize(self, _close_all, self._open)
+
+    def open(self, extent: Extent) -> tuple[int, int, bool]:
+        """The file of ``extent`` opened as ``_os.open_regular`` opens it, its size, and whether
+        the caller closes it."""
+        shared = extent.length is not None
+        kept = self._open.get(extent.path) if shared else None
+        if kept is not None:
+            return (*kept, False)
+        fd, size = _os.open_regular_at(self._root(), extent.path)
+        if not shared:
+            return fd, size, True
+        with self._lock:
+            kept = self._open.get(extent.path)
+            if kept is None and len(self._open) <= KEPT_FILES:
+                self._open[extent.path] = (fd, size)
+                return fd, size, False
+        if kept is None:
+            return fd, size, True
+        os.close(fd)  # another thread opened it meanwhile
+        return (*kept, False)
+
+    def _root(self) -> int:
+        with self._lock:
+            kept = self._open.get(None)
+            if kept is None:
+                kept = self._open[None] = (_os.open_dir(self.root), 0)
+            return kept[0]
+
+    def close(self) -> None:
+        with self._lock:
+            _close_all(self._open)
+
+
+def _close_all(files: dict[str | None, tuple[int, int]]) -> None:
+    for fd, _ in files.values():
+        os.close(fd)
+    files.clear()
+
 
 def bytes_read() -> int:
     """Bytes this process has read from shard files through ``read_box`` (index and chunks,
@@ -92,10 +150,12 @@ def read_box(
     prefetch: bool = False,
     io: IOConfig = DEFAULT_IO,
     locate: Locate = Extent,
+    files: Files | None = None,
 ) -> int:
     """Fill ``out`` with ``box`` of the array ``meta`` stored under the local directory ``root``,
     reading only the shard indexes and inner chunks the box touches. Returns the bytes read.
-    ``locate`` says where each shard lies: by default, the file of its key.
+    ``locate`` says where each shard lies: by default, the file of its key. ``files`` opens
+    them (a reader's, kept from call to call; by default, one for this call alone).
 
     A missing file or chunk, a failed checksum, an index that points outside its file or, for
     an array bound to its save (``meta.bound_to``), a shard whose binding block names another
@@ -104,13 +164,17 @@ def read_box(
     """
     global _bytes_read
     fill = _BoxFill(meta, box, out, all_chunks_stored, io)
+    own = files is None
+    files = Files(root) if files is None else files
     nread = 0
     try:
         shard = meta.shard_shape
         for cell in itertools.product(*(range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard))):
             key = meta.chunk_key(cell)
-            nread += fill.shard(root, key, locate(f"{meta.path}/{key}"), cell, prefetch)
+            nread += fill.shard(files, key, locate(f"{meta.path}/{key}"), cell, prefetch)
     finally:
+        if own:
+            files.close()
         with _read_lock:
             _bytes_read += nread
     return nread
@@ -140,7 +204,7 @@ class _BoxFill:
         # knows through an extension (float8, bfloat16) cannot be made.
         self.items = out.view(f"V{out.dtype.itemsize}") if self.blocks else out
 
-    def shard(self, root: Path, key: str, extent: Extent | None, cell: Sequence[int], prefetch: bool) -> int:
+    def shard(self, files: Files, key: str, extent: Extent | None, cell: Sequence[int], prefetch: bool) -> int:
         """Read this box's part of one shard, stored at ``extent``; return the bytes read."""
         origin = [c * s for c, s in zip(cell, self.meta.shard_shape)]
         # The inner chunks of this shard that the box overlaps, along each dimension.
@@ -153,7 +217,7 @@ class _BoxFill:
                 raise FileNotFoundError(key)
             # A regular file inside the checkpoint only: a shard linked to another checkpoint's,
             # or made a FIFO, would otherwise be read as this one (or block the read).
-            fd = _os.open_regular(root, extent.path)
+            fd, size, owned = files.open(extent)
         except _os.NotRegularFile as err:
             raise Damaged(False, f"shard {key} is not a regular file inside the checkpoint ({err.strerror})") from None
         except (FileNotFoundError, NotADirectoryError):
@@ -163,11 +227,16 @@ class _BoxFill:
                 self.place(origin, at, None)
             return 0
         try:
-            size = os.fstat(fd).st_size
             if extent.length is not None:
                 if extent.offset + extent.length > size:
                     raise Damaged(False, f"shard {key} is cut short: its data file {extent.path} ends at byte {size}")
                 size = extent.length
+            if (
+                not prefetch
+                and self.wanted_whole(origin, ranges, size)
+                and self.whole(fd, key, cell, origin, size, extent.offset)
+            ):
+                return size
             offsets, lengths = self.index(fd, key, cell, size, extent.offset)
             start = self.stored_in_order(origin, ranges, offsets, lengths)
             # Read ahead (a large read, ``prefetch``) goes run by run: it is what a cold file needs.
@@ -176,7 +245,46 @@ class _BoxFill:
             runs = self.runs(key, origin, ranges, offsets.tolist(), lengths.tolist(), size)
             return self.tail_bytes + (self.fetch(fd, key, origin, runs, prefetch) if runs else 0)
         finally:
-            os.close(fd)
+            if owned:
+                os.close(fd)
+
+    def wanted_whole(self, origin: Sequence[int], ranges: list[range], size: int) -> bool:
+        """Whether the box wants every inner chunk of this shard, each whole inside the array, and
+        the shard is small and uncompressed: a candidate for ``whole``."""
+        if not self.blocks or size > WHOLE_SHARD_BYTES or any(g != 1 for g in self.grid[:-2]):
+            return False
+        if any(r.start != 0 or r.stop != g for r, g in zip(ranges, self.grid)):
+            return False
+        lo, hi = self.whole_span(origin)
+        return all(a == 0 for a in lo) and hi == self.grid
+
+    def whole(self, fd: int, key: str, cell: Sequence[int], origin: Sequence[int], size: int, base: int) -> bool:
+        """Read a shard wanted whole (``wanted_whole``) with one call, chunks and index together,
+        and place it with one strided copy: the common case of a load, where the work per shard
+        bounds a warm read. Returns False, having placed nothing, where the shard is not laid out
+        as layoutckpt writes it (its chunks in C order from its first byte, then the binding
+        block and the index): the caller then reads it chunk by chunk. An index equal to the one
+        of that layout, its checksum included, needs no other check."""
+        count = math.prod(self.grid)
+        if size != count * self.stride + self.tail_bytes:
+            return False
+        if len(self.buffer) < size:
+            self.buffer = _scratch(size)
+        data = self.buffer[:size]
+        if os.preadv(fd, [data], base) != size:
+            raise Damaged(False, f"shard {key} is cut short")
+        tail = data[size - self.tail_bytes :]
+        check_binding(self.meta, key, cell, tail)
+        if tail[self.tail_bytes - self.table_bytes :].tobytes() != _in_order_table(count, self.stride):
+            return False
+        bad = self.failing(data, count)
+        if bad is not None:
+            cols = self.grid[-1]
+            at = (*[0] * (len(self.grid) - 2), bad // cols, bad % cols) if len(self.grid) > 1 else (bad,)
+            raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} fails its crc32c")
+        rows = self.grid[-2] if len(self.grid) > 1 else 1
+        self.place_block(origin, [0] * len(self.grid), rows, self.grid[-1], data)
+        return True
 
     def index(self, fd: int, key: str, cell: Sequence[int], size: int, base: int) -> tuple[np.ndarray, np.ndarray]:
         """The index of the shard of ``size`` bytes at ``base`` in its file: (offsets in the
@@ -496,6 +604,17 @@ _scratch_local = threading.local()
 # A reader thread keeps its run buffer from one ``read_box`` to the next up to this size: a
 # buffer made afresh for every box pays page faults on every run it reads into.
 _SCRATCH_KEEP = 8 << 20
+
+
+@functools.lru_cache(maxsize=256)
+def _in_order_table(count: int, stride: int) -> bytes:
+    """The index (with its crc32c) of a shard whose ``count`` uncompressed chunks of ``stride``
+    bytes each (checksum included) lie one after the other from its first byte."""
+    entries = np.empty(2 * count, "<u8")
+    entries[0::2] = stride * np.arange(count, dtype=np.uint64)
+    entries[1::2] = stride
+    raw = entries.tobytes()
+    return raw + crc32c.crc32c(raw).to_bytes(4, "little")
 
 
 def _scratch(nbytes: int) -> np.ndarray:

@@ -34,7 +34,7 @@ import zarr
 import layoutckpt as lc
 from layoutckpt._verify import verify
 from layoutckpt.cli import _main as _cli
-from layoutckpt.storage import _packs
+from layoutckpt.storage import _os, _packs
 from layoutckpt.storage._location import KvPrefix, locate
 from tests.support.counters import bytes_read
 from tests.support.s3server import running
@@ -200,6 +200,22 @@ def test_auto_packs_exactly_above_the_threshold(tmp_path):
     assert lc.open(above).meta.packing == "ocdbt"
     assert assert_packed_files(above) < 100 and len(files(below)) == 3 * 500 + 1
     assert_state(lc.load(above), 501)
+
+
+def test_a_packed_load_opens_each_data_file_once_and_closes_it(tmp_path, monkeypatch):
+    """A load reads 600 shards from one data file: the file is opened a few times in all (by
+    each reading thread that finds it not yet open, and for the B+tree's nodes), not once per
+    shard, and closed when the load ends."""
+    path = tmp_path / "ck"
+    lc.save(path, state_of(600), packing="ocdbt")
+    opened = []
+    real = _os.open_regular_at
+    monkeypatch.setattr(_os, "open_regular_at", lambda fd, rel: opened.append(rel) or real(fd, rel))
+    before = len(os.listdir("/proc/self/fd"))
+    assert_state(lc.load(path), 600)
+    assert len(os.listdir("/proc/self/fd")) == before
+    data = Counter(rel for rel in opened if "/d/" in rel)
+    assert data and max(data.values()) <= 4, data
 
 
 def test_packed_with_compression_and_a_multi_chunk_array(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 
+import crc32c
 import numpy as np
 import pytest
 
@@ -257,6 +258,7 @@ def test_a_whole_shard_is_read_in_slabs_and_damage_names_its_chunk(tmp_path, mon
     that fails its checksum is named by its cell."""
     stride = 4 * int(np.prod(inner)) + 4
     monkeypatch.setattr(_shardread, "CACHED_RUN_BYTES", slab_chunks * stride)
+    monkeypatch.setattr(_shardread, "WHOLE_SHARD_BYTES", 0)  # slabs even where one call would do
     meta = _meta(shape, shape, inner, "float32")
     array = _array(shape, "float32")
     _shardfile.write_shard(tmp_path, meta, (0,) * len(shape), array.dtype, array)
@@ -286,3 +288,63 @@ def test_a_whole_shard_is_read_in_slabs_and_damage_names_its_chunk(tmp_path, mon
         box = tuple((a * c, b * c) for (a, b), c in zip(cut, inner))
         with pytest.raises(_shardread.Damaged, match=rf"inner chunk \{{{cell}\}} of shard .* fails its crc32c"):
             _shardread.read_box(tmp_path, meta, box, np.zeros([b - a for a, b in box], np.float32))
+
+
+@pytest.mark.parametrize(("shape", "inner"), [((64, 48), (8, 6)), ((12, 10, 8), (12, 5, 2)), ((40,), (4,))])
+def test_a_small_shard_wanted_whole_is_read_with_one_call(tmp_path, monkeypatch, shape, inner):
+    """A shard a box wants whole, laid out as layoutckpt writes it, is read with one call (its
+    chunks and index together); damage is still named by its chunk; a shard whose chunks lie
+    in another order (a valid index, not layoutckpt's layout) is read chunk by chunk, exactly."""
+    meta = _meta(shape, shape, inner, "float32")
+    array = _array(shape, "float32")
+    cell = (0,) * len(shape)
+    _shardfile.write_shard(tmp_path, meta, cell, array.dtype, array)
+    path = tmp_path / "a" / meta.chunk_key(cell)
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(_shardread.os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0])) or real(fd, bufs, at))
+    box = tuple((0, n) for n in shape)
+
+    def read() -> np.ndarray:
+        out = np.zeros_like(array)
+        reads.clear()
+        assert _shardread.read_box(tmp_path, meta, box, out) == path.stat().st_size
+        return out
+
+    assert read().tobytes() == array.tobytes() and reads == [path.stat().st_size]
+
+    count, stride = int(np.prod([n // c for n, c in zip(shape, inner)])), 4 * int(np.prod(inner)) + 4
+    raw = path.read_bytes()
+    chunks = [raw[k * stride : (k + 1) * stride] for k in range(count)]
+    entries = np.empty(2 * count, "<u8")
+    entries[0::2] = [(count - 1 - k) * stride for k in range(count)]  # stored last to first
+    entries[1::2] = stride
+    table = entries.tobytes()
+    path.write_bytes(b"".join(reversed(chunks)) + table + crc32c.crc32c(table).to_bytes(4, "little"))
+    assert read().tobytes() == array.tobytes() and len(reads) > 1
+
+    damaged = bytearray(raw)
+    damaged[(count - 1) * stride + 1] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    last = ", ".join(str(n // c - 1) for n, c in zip(shape, inner))
+    with pytest.raises(_shardread.Damaged, match=rf"inner chunk \{{{last}\}} of shard .* fails its crc32c"):
+        read()
+
+
+def test_a_reader_keeps_a_few_shared_data_files_open_until_closed(tmp_path, monkeypatch):
+    """A packed checkpoint's data file (an extent with a length) stays open for the shards
+    after it, up to ``KEPT_FILES``; past that, and for a plain shard file, the caller closes."""
+    for name in ("d1", "d2", "plain"):
+        (tmp_path / name).write_bytes(b"0123456789")
+    monkeypatch.setattr(_shardread, "KEPT_FILES", 1)
+    files = _shardread.Files(tmp_path)
+    fd, size, owned = files.open(_shardread.Extent("d1", 0, 4))
+    assert (size, owned) == (10, False)
+    assert files.open(_shardread.Extent("d1", 4, 4)) == (fd, 10, False)
+    for extent in (_shardread.Extent("d2", 0, 4), _shardread.Extent("plain")):
+        other, _, owned = files.open(extent)
+        assert owned and other != fd
+        os.close(other)
+    files.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
