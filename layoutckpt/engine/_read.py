@@ -4,8 +4,8 @@
 describe what they want as ``BoxRead`` requests (a box of a stored array and where it goes);
 the engine cuts each box into the pieces its storage reads best (``BoxReader.pieces``), keeps at
 most ``IOConfig.budget_bytes`` of TensorStore's pieces in flight (reads on threads: up to 16
-pieces per thread), places every piece straight into the request's destination, and reports damage as
-``IntegrityError`` naming the array. The same pieces are what ``_readplan`` counts, so
+batches of pieces per thread), places every piece straight into the request's destination, and
+reports damage as ``IntegrityError`` naming the array. The same pieces are what ``_readplan`` counts, so
 ``layoutckpt plan`` shows what a load does.
 
 Readers whose reads block (a local checkpoint's shard files) run on ``IOConfig.threads`` threads
@@ -134,13 +134,31 @@ def _inline(
         yield r, out
 
 
-# Pieces queued per reading thread, at most: enough that a thread done with small pieces
+# Batches queued per reading thread, at most: enough that a thread done with small pieces
 # finds more while the others read a large one.
 _WINDOW = 16
+# Pieces handed to a reading thread at once, up to this many or this many bytes, once the
+# threads have enough queued: each hand-off wakes a thread and makes a future, which costs more
+# than reading a small piece warm.
+_BATCH_PIECES = 16
+_BATCH_BYTES = 4 << 20
+
+
+@attrs.frozen
+class _Item:
+    """One piece of a request to read (None: the request's box is empty, nothing to read)."""
+
+    request: BoxRead
+    out: np.ndarray = attrs.field(eq=False)
+    piece: Box | None
+    prefetch: bool
+    nbytes: int
+    last: bool  # the request's last piece: it is done once this one is
 
 
 class _Scheduler:
-    """Pieces in flight, oldest first: the next is issued once the bytes in flight allow it."""
+    """Batches of pieces in flight, oldest first: the next is issued once the bytes in flight
+    allow it. Readers that block take batches on threads; others start each piece at once."""
 
     def __init__(
         self, reader: BoxReader, io: IOConfig, threads: int, stats: ReadStats, on_damage: OnDamage | None
@@ -148,7 +166,9 @@ class _Scheduler:
         self.reader, self.io, self.stats, self.on_damage = reader, io, stats, on_damage
         self.nthreads = threads
         self.threads = ThreadPoolExecutor(threads, thread_name_prefix="layoutckpt-read") if threads else None
-        self.pending: deque[tuple[BoxRead, np.ndarray, Any, int, bool]] = deque()
+        self.pending: deque[tuple[Any, list[_Item]]] = deque()
+        self.batch: list[_Item] = []
+        self.batch_bytes = 0
         self.in_flight = 0
         self.fresh = 0  # bytes in flight into destinations the engine made (not the caller's)
         self.damaged: set[int] = set()
@@ -158,12 +178,14 @@ class _Scheduler:
             for r, pieces in planned:
                 out = _destination(r)
                 if not pieces:
-                    self.pending.append((r, out, _NOTHING, 0, True))
+                    self.add(_Item(r, out, None, False, 0, True))
                 for i, (piece, prefetch) in enumerate(pieces):
                     nbytes = box_size(piece) * out.dtype.itemsize
                     while self.pending and self.full(nbytes, fresh=r.out is None):
+                        self.flush()  # the threads keep reading while this one waits
                         yield from self.settle_some()
-                    self.issue(r, out, piece, prefetch, nbytes, last=i == len(pieces) - 1)
+                    self.add(_Item(r, out, piece, prefetch, nbytes, i == len(pieces) - 1))
+            self.flush()
             while self.pending:
                 yield from self.settle_some()
         finally:
@@ -173,8 +195,8 @@ class _Scheduler:
         """Whether issuing ``nbytes`` more must wait for reads in flight.
 
         Reads on threads fill their destinations in place, holding no buffer of their own:
-        twice the threads always go, so that none waits for the next piece, and up to
-        ``_WINDOW`` pieces per thread while the destinations the engine made for them stay
+        twice the threads always go, so that none waits for the next batch, and up to
+        ``_WINDOW`` batches per thread while the destinations the engine made for them stay
         within ``budget_bytes`` (a caller's own destinations cost nothing more in flight).
         TensorStore's reads decode into buffers of their own: their bytes are what is bounded.
         """
@@ -185,61 +207,108 @@ class _Scheduler:
             return False
         return queued >= _WINDOW * self.nthreads or (fresh and self.fresh + nbytes > self.io.budget_bytes)
 
-    def issue(self, r: BoxRead, out: np.ndarray, piece: Box, prefetch: bool, nbytes: int, *, last: bool) -> None:
-        view = _view(out, r.box, piece)
+    def add(self, item: _Item) -> None:
+        self.stats.in_flight.start(item.nbytes)
+        self.in_flight += item.nbytes
+        self.fresh += item.nbytes if item.request.out is None else 0
+        self.batch.append(item)
+        self.batch_bytes += item.nbytes
+        # Pieces go one by one while the threads could run short of work (a thread done with
+        # small pieces then finds more while another reads a large one); in batches beyond.
+        short = self.threads is None or len(self.pending) < 2 * self.nthreads
+        if short or len(self.batch) >= _BATCH_PIECES or self.batch_bytes >= _BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Put the batch gathered so far in flight."""
+        if not self.batch:
+            return
+        items, self.batch, self.batch_bytes = self.batch, [], 0
         if self.threads is not None:
-            pending: Any = self.threads.submit(self.reader.read, r.name, r.meta, piece, view, prefetch=prefetch)
+            pending: Any = self.threads.submit(self.read_batch, items)
         else:
-            pending = self.reader.start(r.name, r.meta, piece, view, prefetch=prefetch)
-        self.stats.in_flight.start(nbytes)
-        self.pending.append((r, out, pending, nbytes, last))
-        self.in_flight += nbytes
-        self.fresh += nbytes if r.out is None else 0
+            (item,) = items
+            r = item.request
+            view = _view(item.out, r.box, item.piece) if item.piece is not None else None
+            pending = (
+                _NOTHING
+                if view is None
+                else self.reader.start(r.name, r.meta, item.piece, view, prefetch=item.prefetch)
+            )
+        self.pending.append((pending, items))
+
+    def read_batch(self, items: list[_Item]) -> list[IntegrityError | None]:
+        """Read a batch on a reading thread: each piece's damage, or None. Damage to one piece
+        leaves the others to be read; any other failure ends the batch and the load."""
+        found: list[IntegrityError | None] = []
+        for item in items:
+            r = item.request
+            try:
+                if item.piece is not None:
+                    view = _view(item.out, r.box, item.piece)
+                    self.reader.read(r.name, r.meta, item.piece, view, prefetch=item.prefetch)
+                found.append(None)
+            except IntegrityError as err:
+                found.append(err)
+        return found
 
     def settle_some(self) -> Iterator[tuple[BoxRead, np.ndarray]]:
-        """Settle the oldest piece; with reads on threads, every piece up to the middle of the
-        queue at once. Waking for each piece done would hand the GIL from a reading thread to
-        this one and back for every piece, which costs more than a small read."""
+        """Settle the oldest batch; with reads on threads, every batch up to the middle of the
+        queue at once. Waking for each batch done would hand the GIL from a reading thread to
+        this one and back for every batch, which costs more than a small read."""
         count = 1 if self.threads is None else len(self.pending) // 2 + 1
-        middle = self.pending[count - 1][2]
+        middle = self.pending[count - 1][0]
         if isinstance(middle, Future):
             wait([middle])
         for _ in range(count):
             yield from self.settle()
 
     def settle(self) -> Iterator[tuple[BoxRead, np.ndarray]]:
-        """Wait for the oldest piece; yield its request once its last piece is in."""
-        r, out, pending, nbytes, last = self.pending.popleft()
+        """Wait for the oldest batch; yield each request whose last piece is in it."""
+        pending, items = self.pending.popleft()
         try:
-            pending.result()
-            self.stats.bytes += nbytes
-        except IntegrityError as err:
-            if self.on_damage is None:
-                raise
-            if id(r) not in self.damaged:  # one report per request, however many pieces fail
+            found = pending.result() if isinstance(pending, Future) else [_damage_of(pending)]
+        finally:
+            for item in items:
+                self.stats.in_flight.done(item.nbytes)
+                self.in_flight -= item.nbytes
+                self.fresh -= item.nbytes if item.request.out is None else 0
+        for item, err in zip(items, found):
+            r = item.request
+            if err is None:
+                self.stats.bytes += item.nbytes
+            elif self.on_damage is None:
+                raise err
+            elif id(r) not in self.damaged:  # one report per request, however many pieces fail
                 self.damaged.add(id(r))
                 self.on_damage(r, err)
-        finally:
-            self.stats.in_flight.done(nbytes)
-            self.in_flight -= nbytes
-            self.fresh -= nbytes if r.out is None else 0
-        if last and id(r) not in self.damaged:
-            yield r, out
+            if item.last and id(r) not in self.damaged:
+                yield r, item.out
 
     def stop(self) -> None:
         """Cancel what has not started and wait for what has: no read may still write into a
         destination after the engine returns."""
-        for _, _, pending, _, _ in self.pending:
+        self.batch.clear()
+        for pending, _ in self.pending:
             pending.cancel()
         if self.threads is not None:
             self.threads.shutdown(wait=True, cancel_futures=True)
-        for _, _, pending, _, _ in self.pending:
+        for pending, _ in self.pending:
             if not isinstance(pending, Future):
                 try:
                     pending.result()
                 except Exception:  # noqa: BLE001 - the first failure is already being raised
                     pass
         self.pending.clear()
+
+
+def _damage_of(pending: Any) -> IntegrityError | None:
+    """Wait for a read started on its own; its damage, or None (other failures raise)."""
+    try:
+        pending.result()
+    except IntegrityError as err:
+        return err
+    return None
 
 
 class _Nothing:

@@ -4,6 +4,7 @@ up the small ones behind it, and destinations the engine makes stay within the b
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -67,3 +68,19 @@ def test_destinations_the_engine_makes_stay_within_the_budget():
     read_into(reader, [_request(f"b{i}", KB) for i in range(100)], io=io, stats=made)
     assert made.in_flight.most_bytes <= 4 * KB  # the first four, then the budget
     assert given.in_flight.most > 4
+
+
+def test_small_pieces_go_to_the_threads_in_batches(monkeypatch):
+    """Once each thread has work queued, small pieces are handed over in batches (a future and
+    a wake-up per batch, not per piece), and every request still comes back, in order."""
+    io = lc.IOConfig(threads=2)
+    reader = _Reader(io, smalls=200)
+    submitted = []
+    real = ThreadPoolExecutor.submit
+    monkeypatch.setattr(
+        ThreadPoolExecutor, "submit", lambda pool, fn, items: submitted.append(len(items)) or real(pool, fn, items)
+    )
+    requests = [_request(f"s{i}", KB, np.empty(KB, np.uint8)) for i in range(200)]
+    out = read_into(reader, requests, io=io)
+    assert [int(o[0]) for o in out] == [0] * 200 and [o is r.out for o, r in zip(out, requests)] == [True] * 200
+    assert sum(submitted) == 200 and len(submitted) <= 200 // 8, submitted
