@@ -222,7 +222,7 @@ def _check_template_names(
 ) -> None:
     """Every template leaf is in the checkpoint (under its global name, as its fused parts or
     flat parameters), and, with ``strict``, every stored array is in the template."""
-    stored_leaves = dict(leaf_nodes(meta.tree))
+    stored_leaves = meta.leaves
     covered: set[str | None] = set()
     missing = []
     for name in template:
@@ -266,7 +266,7 @@ def _targets(
 ) -> tuple[dict[str, Target], dict[str, FlatReads], dict[str, Composite]]:
     """The box of every named array this rank loads, the reads of its flat buffers, and of its
     fused and padded leaves."""
-    stored_leaves = dict(leaf_nodes(meta.tree))
+    stored_leaves = meta.leaves
     targets: dict[str, Target] = {}
     flats: dict[str, FlatReads] = {}
     composites: dict[str, Composite] = {}
@@ -392,7 +392,7 @@ class _Builder:
 
     def __init__(self, plan: _LoadPlan, meta: CheckpointMeta, reads: BackgroundReads) -> None:
         self.plan, self.meta, self.reads = plan, meta, reads
-        self.stored_leaves = dict(leaf_nodes(meta.tree))
+        self.stored_leaves = meta.leaves
         self.built: dict[Target, Any] = {}
 
     def leaf(self, name: str, node: Any) -> Any:

@@ -24,7 +24,7 @@ from .format._format import ArrayMeta, CheckpointMeta
 from .layout._index import index_box
 from .layout._plan import box_shape
 from .layout._spec import Mesh, P
-from .layout._tree import decode_value, leaf_nodes
+from .layout._tree import decode_value
 from .storage import _store
 from .storage._location import locate
 from .storage._packs import arrays_of
@@ -85,7 +85,7 @@ class Reader:
         self._stores: dict[str, ts.TensorStore] = {}
         self._ctx: ts.Context | None = None
         self._async: ThreadPoolExecutor | None = None
-        nodes = list(leaf_nodes(self.meta.tree))
+        nodes = list(self.meta.leaves.items())
         self._values = {name: node for name, node in nodes if "array" not in node}
         # Names tied at save time (shared weights) read the array stored under the first name.
         self.aliases: dict[str, str] = {n: node["array"] for n, node in nodes if node.get("array", n) != n}

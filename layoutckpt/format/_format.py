@@ -20,6 +20,7 @@ import attrs
 
 from ..base._errors import FormatError, InvalidNameError, NewerFormatError
 from ..layout._spec import Mesh, P
+from ..layout._tree import leaf_nodes
 from ._shard import COMPRESSIONS, compression_json
 
 # 1: first release; 2: chunk keys joined by dots (``c.0.1``); 3: the root document's SHA-256;
@@ -288,6 +289,12 @@ class CheckpointMeta:
     def packed(self) -> bool:
         return self.packing != "files"
 
+    @functools.cached_property
+    def leaves(self) -> dict[str, Mapping[str, Any]]:
+        """``{global name: node}`` of every leaf of ``tree``, in tree order: worked out once,
+        as a load asks for it several times."""
+        return dict(leaf_nodes(self.tree))
+
     def bound(self, save_id: str | None) -> CheckpointMeta:
         """This metadata for the save ``save_id``: every array's shards bound to it (None:
         unbound), so that the writers add the binding blocks the root document promises."""
@@ -487,17 +494,31 @@ def checksum(body: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json({k: v for k, v in body.items() if k != CHECKSUM_KEY})).hexdigest()
 
 
+# How a root document begins, as layoutckpt writes it: its body follows.
+_ROOT_HEAD = b'{"zarr_format":3,"node_type":"group","attributes":{"' + ATTRS_KEY.encode() + b'":'
+
+
 def root_document(meta: CheckpointMeta) -> bytes:
     # Compact: opening a checkpoint reads this document, and indentation doubles its size (and
     # makes json fall back to its slower pure-Python encoder).
-    head = b'{"zarr_format":3,"node_type":"group","attributes":{"' + ATTRS_KEY.encode() + b'":'
     body = canonical_json(meta.to_dict())
     if meta.format_version < 3:
-        return head + body + b"}}"
+        return _ROOT_HEAD + body + b"}}"
     # The checksum covers the canonical body without its own member: encoded once, hashed, and
     # the member spliced in before the closing brace, as section 4 describes a compact writer.
     digest = hashlib.sha256(body).hexdigest().encode()
-    return head + body[:-1] + b',"' + CHECKSUM_KEY.encode() + b'":"' + digest + b'"}}}'
+    return _ROOT_HEAD + body[:-1] + b',"' + CHECKSUM_KEY.encode() + b'":"' + digest + b'"}}}'
+
+
+def _compact_digest(raw: bytes) -> str | None:
+    """The checksum of a root document as ``root_document`` writes it, from its bytes: the
+    canonical body is the bytes between the head and the spliced ``sha256`` member, so a
+    reader hashes them without encoding the parsed body again. None for any other form (a
+    reader then re-serializes, as section 4 says)."""
+    tail = len(b',"' + CHECKSUM_KEY.encode() + b'":"') + 64 + len(b'"}}}')
+    if not raw.startswith(_ROOT_HEAD) or len(raw) < len(_ROOT_HEAD) + tail:
+        return None
+    return hashlib.sha256(raw[len(_ROOT_HEAD) : len(raw) - tail] + b"}").hexdigest()
 
 
 def group_document() -> bytes:
@@ -543,7 +564,7 @@ def parse_root_document(raw: bytes, where: str) -> CheckpointMeta:
         # with it; a well-formed one that was edited (a step, a shape) fails here.
         stored = body.get(CHECKSUM_KEY)
         try:
-            actual = checksum(body)
+            actual = stored if _compact_digest(raw) == stored else checksum(body)
         except ValueError:
             actual = None
         if stored != actual:

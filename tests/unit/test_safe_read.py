@@ -104,6 +104,15 @@ def test_the_checksum_ignores_whitespace_but_not_values():
         _format.parse_root_document(_root(lambda d: d.update(extra=1)), "c")
 
 
+def test_an_edit_of_a_compact_document_fails_its_checksum():
+    # The bytes as written are hashed without re-encoding them: an edit in place is caught
+    # there as well as after re-serializing.
+    raw = _root()
+    assert b'"step":3' in raw
+    with pytest.raises(FormatError, match="fails its checksum"):
+        _format.parse_root_document(raw.replace(b'"step":3', b'"step":4'), "c")
+
+
 @pytest.mark.parametrize("n", [16, 17, 500])  # both ways of checking: in Python, with NumPy
 def test_long_indexes_are_checked_alike(n):
     entries = [(i * 10, 10) for i in range(n)][::-1]
