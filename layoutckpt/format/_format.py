@@ -494,8 +494,9 @@ def checksum(body: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json({k: v for k, v in body.items() if k != CHECKSUM_KEY})).hexdigest()
 
 
-# How a root document begins, as layoutckpt writes it: its body follows.
+# How a root document begins, as layoutckpt writes it: its body follows, then the checksum member.
 _ROOT_HEAD = b'{"zarr_format":3,"node_type":"group","attributes":{"' + ATTRS_KEY.encode() + b'":'
+_CHECKSUM_MEMBER = b',"' + CHECKSUM_KEY.encode() + b'":"'
 
 
 def root_document(meta: CheckpointMeta) -> bytes:
@@ -507,7 +508,7 @@ def root_document(meta: CheckpointMeta) -> bytes:
     # The checksum covers the canonical body without its own member: encoded once, hashed, and
     # the member spliced in before the closing brace, as section 4 describes a compact writer.
     digest = hashlib.sha256(body).hexdigest().encode()
-    return _ROOT_HEAD + body[:-1] + b',"' + CHECKSUM_KEY.encode() + b'":"' + digest + b'"}}}'
+    return _ROOT_HEAD + body[:-1] + _CHECKSUM_MEMBER + digest + b'"}}}'
 
 
 def _compact_digest(raw: bytes) -> str | None:
@@ -515,7 +516,7 @@ def _compact_digest(raw: bytes) -> str | None:
     canonical body is the bytes between the head and the spliced ``sha256`` member, so a
     reader hashes them without encoding the parsed body again. None for any other form (a
     reader then re-serializes, as section 4 says)."""
-    tail = len(b',"' + CHECKSUM_KEY.encode() + b'":"') + 64 + len(b'"}}}')
+    tail = len(_CHECKSUM_MEMBER) + 64 + len(b'"}}}')
     if not raw.startswith(_ROOT_HEAD) or len(raw) < len(_ROOT_HEAD) + tail:
         return None
     return hashlib.sha256(raw[len(_ROOT_HEAD) : len(raw) - tail] + b"}").hexdigest()

@@ -277,13 +277,8 @@ class _BoxFill:
         check_binding(self.meta, key, cell, tail)
         if tail[self.tail_bytes - self.table_bytes :].tobytes() != _in_order_table(count, self.stride):
             return False
-        bad = self.failing(data, count)
-        if bad is not None:
-            cols = self.grid[-1]
-            at = (*[0] * (len(self.grid) - 2), bad // cols, bad % cols) if len(self.grid) > 1 else (bad,)
-            raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} fails its crc32c")
         rows = self.grid[-2] if len(self.grid) > 1 else 1
-        self.place_block(origin, [0] * len(self.grid), rows, self.grid[-1], data)
+        self.place_slab(key, origin, (0,) * len(self.grid), rows, self.grid[-1], data)
         return True
 
     def index(self, fd: int, key: str, cell: Sequence[int], size: int, base: int) -> tuple[np.ndarray, np.ndarray]:
@@ -367,13 +362,20 @@ class _BoxFill:
                 row = data[i * row_bytes : (i + 1) * row_bytes]
                 if os.preadv(fd, [row], start + (first + i * row_step) * stride) != len(row):
                     raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} is cut short")
-            bad = self.failing(data, rows * cols)
-            if bad is not None:
-                cell = (*at[:-2], at[-2] + bad // cols, at[-1] + bad % cols) if len(at) > 1 else (at[0] + bad,)
-                raise Damaged(False, f"inner chunk {_cell(cell)} of shard {key} fails its crc32c")
-            self.place_block(origin, at, rows, cols, data)
+            self.place_slab(key, origin, at, rows, cols, data)
             total += nbytes
         return total
+
+    def place_slab(
+        self, key: str, origin: Sequence[int], at: Sequence[int], rows: int, cols: int, data: np.ndarray
+    ) -> None:
+        """Check the ``rows`` x ``cols`` whole chunks from ``at`` on, stored one after the other at
+        the start of ``data``, and place them with one strided copy; damage names its chunk."""
+        bad = self.failing(data, rows * cols)
+        if bad is not None:
+            cell = (*at[:-2], at[-2] + bad // cols, at[-1] + bad % cols) if len(at) > 1 else (at[0] + bad,)
+            raise Damaged(False, f"inner chunk {_cell(cell)} of shard {key} fails its crc32c")
+        self.place_block(origin, at, rows, cols, data)
 
     def slabs(self, ranges: list[range]) -> list[tuple[tuple[int, ...], int, int]]:
         """The wanted chunks ``ranges`` of a shard cut into ``(at, rows, cols)`` blocks of at
