@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..format import _ocdbt
 from . import _os
-from ._shardread import Damaged, Extent
+from ._shardread import Damaged, Extent, Files
 
 MANIFEST = "manifest.ocdbt"
 
@@ -29,10 +29,12 @@ class Inline(Exception):
 
 
 class PackIndex:
-    """The B+tree of the packed checkpoint at ``root``, decoded as lookups need its nodes."""
+    """The B+tree of the packed checkpoint at ``root``, decoded as lookups need its nodes, which
+    it reads through ``files`` (a reader's: the nodes lie in the data files its shards do)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, files: Files | None = None) -> None:
         self.root = root
+        self.files = files if files is not None else Files(root)
         self._lock = threading.Lock()
         self._tree: _ocdbt.Root | None = None
         self._nodes: dict[_ocdbt.Ref, _ocdbt.Leaf | _ocdbt.Interior] = {}
@@ -78,12 +80,12 @@ class PackIndex:
         return node
 
     def _read(self, ref: _ocdbt.Ref, what: str) -> bytes:
-        """``ref``'s bytes, through ``open_regular``: the tree may name any path, and only a
-        regular file inside the checkpoint is read."""
+        """``ref``'s bytes, through ``Files`` (as ``open_regular`` opens them): the tree may name
+        any path, and only a regular file inside the checkpoint is read."""
         if ref.length > _ocdbt.MAX_NODE_BYTES:
             raise Damaged(False, f"the packed checkpoint's {what} in {ref.path} claims {ref.length} bytes")
         try:
-            fd = _os.open_regular(self.root, ref.path)
+            fd, _, owned = self.files.open(Extent(ref.path, ref.offset, ref.length))
         except FileNotFoundError:
             raise Damaged(True, f"the packed checkpoint's {what} file {ref.path} does not exist") from None
         except OSError as err:
@@ -91,7 +93,8 @@ class PackIndex:
         try:
             raw = os.pread(fd, ref.length, ref.offset)
         finally:
-            os.close(fd)
+            if owned:
+                os.close(fd)
         if len(raw) != ref.length:
             raise Damaged(False, f"the packed checkpoint's {what} in {ref.path} is cut short")
         return raw

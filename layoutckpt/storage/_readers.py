@@ -125,7 +125,8 @@ class PackedFileReader(ShardFileReader):
     ``_packindex`` does not read goes through ``fallback``."""
 
     def __init__(self, root: Path, where: str, complete: bool, io: IOConfig, fallback: BoxReader) -> None:
-        super().__init__(root, where, complete, io, _packindex.PackIndex(root).locate)
+        super().__init__(root, where, complete, io)
+        self.locate = _packindex.PackIndex(root, self.files).locate
         self.fallback = fallback
 
     def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
