@@ -122,10 +122,10 @@ def save(
     stuck is named in a ``SaveError`` on every rank still alive, within twice that (the
     collectives of ``save`` run on the process group, under its own timeout). ``packing`` says
     how the objects are stored: ``"files"``, one file per shard and document (plain zarr-python
-    reads it); ``"ocdbt"``, all of them in TensorStore's OCDBT database, a few data files per
-    rank whatever the number of arrays (up to 4 of at least 64 MiB, more only where a rank holds
-    over 4 ``io.pack_bytes``, 1 GiB by default; plain TensorStore reads it, ``export_zarr``
-    makes it plain); ``"auto"`` (default) packs above 1,000 objects. Loads read either alike.
+    reads it); ``"ocdbt"``, all of them in TensorStore's OCDBT database, a data file per
+    writing thread of each rank whatever the number of arrays (``io.threads``; more only past
+    ``io.pack_bytes`` each, 1 GiB by default; plain TensorStore reads it, ``export_zarr`` makes
+    it plain); ``"auto"`` (default) packs above 1,000 objects. Loads read either alike.
 
     Returns this rank's ``SaveResult`` (path, bytes and arrays written, seconds, and
     ``.metrics`` with the time of each phase) after the checkpoint is committed on every rank.
@@ -725,9 +725,7 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     writer writes a box is the location's choice (``Location.box_writer``)."""
     _faults.point("save.write", url=job.final.url)
     if job.meta.packed:
-        mine = sum(_plan.box_size(box) * job.meta.arrays[name].itemsize for name, box in job.mine)
-        io = _packs.pack_io(job.options.io, mine)
-        writer: BoxWriter = _packs.PackWriter(job.tmp, rank, io, job.in_flight)
+        writer: BoxWriter = _packs.PackWriter(job.tmp, rank, job.options.io, job.in_flight)
     else:
         writer = job.tmp.box_writer(job.options.io, job.in_flight)
     try:

@@ -50,10 +50,9 @@ class IOConfig:
     - ``trim_bytes``: freed read buffers are handed back to the system after this many bytes.
     - ``retries``: how often a failed object-store request is retried (``LAYOUTCKPT_MAX_RETRIES``
       sets the default).
-    - ``pack_bytes``: a packed save (``packing="ocdbt"``) writes one data file per at most this
-      many bytes of a rank's shards, and holds up to about twice this much encoded until
-      written. A rank spreads its shards over up to 4 data files of at least 64 MiB, so that
-      writing one overlaps encoding the next.
+    - ``pack_bytes``: in a packed save (``packing="ocdbt"``) each writing thread appends its
+      shards to a data file of its own and starts a new one past this many bytes. On an object
+      store a data file is held in memory until it is stored: up to ``threads`` of them.
     """
 
     concurrency: int = attrs.field(default=32, validator=_positive)

@@ -1,4 +1,4 @@
-"""TensorStore's OCDBT format, as far as reading a packed checkpoint needs it: pure decoding.
+"""TensorStore's OCDBT format, as far as a packed checkpoint needs it: pure decoding and encoding.
 
 A packed checkpoint (``docs/format.md`` section 3.1) is an OCDBT database. Reading it means the
 manifest (``manifest.ocdbt``: configuration, data file table, the newest versions), the root
@@ -8,14 +8,19 @@ encodings follow TensorStore's published description of the format (its ``ocdbt`
 documentation): little-endian fixed-width integers, LEB128 varints, zstd-compressed bodies, a
 crc32c of every structure, keys prefix-compressed within a node.
 
-Nothing here reads a file: ``storage/_packindex`` fetches the bytes and calls these functions,
-which raise ``Malformed`` for anything that does not decode exactly.
+Nothing here reads or writes a file: ``storage/_packindex`` fetches the bytes and calls the
+decoding functions, which raise ``Malformed`` for anything that does not decode exactly;
+``storage/_packs`` writes what ``encode_tree`` and ``encode_manifest`` return. A rank's
+database is written in one version: every value out of line, nodes uncompressed (the values
+are checksummed shards, the nodes a few bytes per key), each node with the whole data file
+table of the rank (a handful of paths).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 import crc32c
@@ -26,6 +31,11 @@ MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
 NO_NODE = 2**64 - 1  # offset and length of the root of an empty version
 MAX_NODE_BYTES = 64 << 20  # a node's decoded size is bounded by the configuration (8 MiB by default)
+# What ``encode_manifest`` declares: TensorStore's defaults, except that no value is inline.
+DECODED_NODE_BYTES = 8 << 20
+VERSION_TREE_ARITY_LOG2 = 4
+# ``encode_tree`` closes a node past this many encoded bytes: a lookup reads one node per level.
+NODE_BYTES = 256 << 10
 
 
 class Malformed(ValueError):
@@ -272,3 +282,157 @@ def _keys(cur: _Cursor, shared: list[int], suffix_lengths: list[int]) -> list[by
         previous = previous[:common] + cur.take(length)
         keys.append(previous)
     return keys
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Placed:
+    """A value or node written at ``offset`` of data file ``file`` (an index into the table)."""
+
+    file: int
+    offset: int
+    length: int
+
+
+@attrs.frozen
+class Tree:
+    """Encoded B+tree nodes, to be written one after another from the offset ``encode_tree`` was
+    given; ``root`` is where the last of them, the root, lies."""
+
+    nodes: tuple[bytes, ...]
+    root: Placed | None
+    height: int
+    keys: int
+    tree_bytes: int
+    value_bytes: int
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _column(values: Iterable[int]) -> bytes:
+    return b"".join(_varint(v) for v in values)
+
+
+def _shared(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _prefixed(keys: Sequence[bytes]) -> tuple[bytes, bytes, bytes]:
+    """Keys prefix-compressed: the shared lengths (but the first's), the suffix lengths, the
+    suffixes."""
+    shared = [_shared(a, b) for a, b in itertools.pairwise(keys)]
+    suffixes = [k[n:] for k, n in zip(keys, [0, *shared])]
+    return _column(shared), _column(len(x) for x in suffixes), b"".join(suffixes)
+
+
+def _table(paths: Sequence[str]) -> bytes:
+    """A data file table of ``paths`` relative to the database (no base paths)."""
+    shared, lengths, suffixes = _prefixed([p.encode() for p in paths])
+    return _varint(len(paths)) + shared + lengths + _column(0 for _ in paths) + suffixes
+
+
+def _frame(magic: int, body: bytes) -> bytes:
+    """Header (magic, length, format version 0, uncompressed), ``body``, crc32c."""
+    head = _varint(0) + _varint(0)
+    length = 4 + 8 + len(head) + len(body) + 4
+    raw = magic.to_bytes(4, "big") + length.to_bytes(8, "little") + head + body
+    return raw + crc32c.crc32c(raw).to_bytes(4, "little")
+
+
+def encode_leaf(table: bytes, keys: Sequence[bytes], values: Sequence[Placed]) -> bytes:
+    """A leaf of ``keys`` (sorted, relative to its prefix), each value out of line."""
+    shared, lengths, suffixes = _prefixed(keys)
+    body = [bytes([0]), table, _varint(len(keys)), shared, lengths, suffixes]
+    body += [_column(v.length for v in values), _column(1 for _ in values)]
+    body += [_column(v.file for v in values), _column(v.offset for v in values)]
+    return _frame(BTREE_MAGIC, b"".join(body))
+
+
+@attrs.frozen
+class _Node:
+    """A written node (or, below the leaves, a value): its keys' range and shared prefix length,
+    all absolute, and the statistics of its subtree."""
+
+    lo: bytes
+    hi: bytes
+    prefix: int
+    at: Placed
+    keys: int
+    tree_bytes: int
+    value_bytes: int
+
+
+def encode_interior(height: int, table: bytes, prefix: int, children: Sequence[_Node]) -> bytes:
+    """An interior node whose keys share ``prefix`` bytes, over ``children``."""
+    shared, lengths, suffixes = _prefixed([c.lo[prefix:] for c in children])
+    body = [bytes([height]), table, _varint(len(children)), shared, lengths]
+    body += [_column(c.prefix - prefix for c in children), suffixes]
+    body += [_column(getattr(c.at, f) for c in children) for f in ("file", "offset", "length")]
+    body += [_column(getattr(c, f) for c in children) for f in ("keys", "tree_bytes", "value_bytes")]
+    return _frame(BTREE_MAGIC, b"".join(body))
+
+
+def encode_tree(paths: Sequence[str], entries: Iterable[tuple[bytes, Placed]], file: int, offset: int) -> Tree:
+    """The B+tree of ``entries`` (key, where its value lies; keys unique), its nodes to be
+    written one after another at ``offset`` of data file ``file``: leaves first, the root last.
+    A node stores its keys without the prefix they all share (the root: none), as TensorStore
+    reads them (``Interior``); ``paths`` is the data file table of every node."""
+    table = _table(paths)
+    level = [_Node(k, k, len(k), v, 1, 0, v.length) for k, v in sorted(entries, key=lambda e: e[0])]
+    if not level:
+        return Tree((), None, 0, 0, 0, 0)
+    nodes: list[bytes] = []
+    height = 0
+    while True:
+        groups = list(_groups(level))
+        parents = []
+        for group in groups:
+            lo, hi = group[0].lo, group[-1].hi
+            prefix = _shared(lo, hi) if len(groups) > 1 else 0
+            if height == 0:
+                raw = encode_leaf(table, [c.lo[prefix:] for c in group], [c.at for c in group])
+            else:
+                raw = encode_interior(height, table, prefix, group)
+            nodes.append(raw)
+            below = sum(c.tree_bytes for c in group) + len(raw)
+            keys, values = sum(c.keys for c in group), sum(c.value_bytes for c in group)
+            parents.append(_Node(lo, hi, prefix, Placed(file, offset, len(raw)), keys, below, values))
+            offset += len(raw)
+        if len(parents) == 1:
+            root = parents[0]
+            return Tree(tuple(nodes), root.at, height, root.keys, root.tree_bytes, root.value_bytes)
+        level, height = parents, height + 1
+
+
+def _groups(level: Sequence[_Node]) -> Iterator[Sequence[_Node]]:
+    """Runs of ``level`` whose node stays under ``NODE_BYTES`` (at least two per node)."""
+    start, size = 0, 0
+    for i, c in enumerate(level):
+        size += len(c.lo) + 24
+        if size > NODE_BYTES and i - start >= 2:
+            yield level[start:i]
+            start, size = i, len(c.lo) + 24
+    yield level[start:]
+
+
+def encode_manifest(uuid: bytes, paths: Sequence[str], tree: Tree, commit_ns: int) -> bytes:
+    """A manifest whose one version (generation 1) is ``tree``, its versions inline."""
+    root = tree.root
+    if root is None:  # as TensorStore writes an empty version: its "node" in a file of no path
+        paths, root = [*paths, ""], Placed(len(paths), NO_NODE, NO_NODE)
+    config = [uuid, _varint(0), _varint(0), _varint(DECODED_NODE_BYTES), bytes([VERSION_TREE_ARITY_LOG2])]
+    config.append(_varint(0))  # nodes uncompressed
+    versions = [_varint(1), _varint(1), bytes([tree.height]), _varint(root.file), _varint(root.offset)]
+    versions += [_varint(root.length), _varint(tree.keys), _varint(tree.tree_bytes), _varint(tree.value_bytes)]
+    versions += [commit_ns.to_bytes(8, "little"), _varint(0)]  # no older versions
+    return _frame(MANIFEST_MAGIC, b"".join([*config, _table(paths), *versions]))

@@ -4,8 +4,8 @@ A plain checkpoint stores one object per shard and per document, which on an FSD
 is one file per array per rank: millions at scale, each a metadata operation on a parallel file
 system and a request on an object store. A packed one stores the same objects (the same keys,
 the same bytes) in an OCDBT database instead, the format Orbax uses: each rank writes its share
-into a database of its own under ``packs/RRRRR/``, one data file per ``IOConfig.pack_bytes``
-of shards, and rank 0's commit merges the ranks' B-trees into one database at the checkpoint's
+into a database of its own under ``packs/RRRRR/`` (``PackWriter``: a data file per writing
+thread), and rank 0's commit merges the ranks' B-trees into one database at the checkpoint's
 root, referring to the ranks' data files where they lie (no byte is copied). Plain
 ``tensorstore`` opens every array with an ``ocdbt`` kvstore over the checkpoint
 (``docs/format.md`` section 3.1).
@@ -19,7 +19,9 @@ from __future__ import annotations
 import errno
 import functools
 import math
-import os
+import threading
+import time
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +31,13 @@ import tensorstore as ts
 from ..base import _faults
 from ..base._metrics import InFlight
 from ..base._options import IOConfig
-from . import _os, _store
+from ..base._workers import Workers
+from ..format import _ocdbt
+from ..layout._plan import Box, shard_cell
+from . import _os, _packindex, _shardfile, _store
 from ._location import MAX_DOCUMENT_BYTES, LocalDir
 from ._readers import BoxReader, PackedFileReader, TensorStoreReader
-from ._writers import ShardObjectWriter
+from ._writers import BoxWriter, Source, _sized
 
 if TYPE_CHECKING:
     from ..format._format import ArrayMeta, CheckpointMeta
@@ -55,30 +60,9 @@ def rank_base(rank: int) -> str:
     return f"{PACKS}/{rank:05d}"
 
 
-# A rank's shards go into up to this many data files, none smaller than ``MIN_PACK_BYTES``
-# unless the rank has less: a transaction's data file is written while the next one fills, so
-# all but the last file's writing overlaps the encoding, where one transaction for everything
-# would start writing only once every shard is encoded.
-PACKS_PER_RANK = 4
-MIN_PACK_BYTES = 64 << 20
-
-
-def pack_io(io: IOConfig, nbytes: int) -> IOConfig:
-    """``io`` for a rank packing ``nbytes`` of shards: ``pack_bytes`` lowered to a
-    ``PACKS_PER_RANK``-th of them, down to ``MIN_PACK_BYTES``."""
-    share = max(MIN_PACK_BYTES, -(-nbytes // PACKS_PER_RANK))
-    return io if share >= io.pack_bytes else io.replace(pack_bytes=share)
-
-
-# The configuration of the ranks' databases: every value out of line, in a data file, so that
-# layoutckpt's own reader finds each shard as a byte range (``PackedFileReader``).
-OUT_OF_LINE = {"max_inline_value_bytes": 0}
-
-
-def database(location: Location, rel: str = "", config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The kvstore spec of the OCDBT database whose files lie at ``rel`` under ``location``;
-    ``config`` constrains a database being created."""
-    return {"driver": "ocdbt", "base": location.kvstore(rel), **({"config": config} if config else {})}
+def database(location: Location, rel: str = "") -> dict[str, Any]:
+    """The kvstore spec of the OCDBT database whose files lie at ``rel`` under ``location``."""
+    return {"driver": "ocdbt", "base": location.kvstore(rel)}
 
 
 @attrs.frozen
@@ -87,10 +71,9 @@ class PackView:
 
     location: Location
     base: str = ""
-    config: dict[str, Any] | None = None
 
     def kvstore(self, rel: str = "") -> dict[str, Any]:
-        return {**database(self.location, self.base, self.config), "path": rel.rstrip("/") + "/" if rel else ""}
+        return {**database(self.location, self.base), "path": rel.rstrip("/") + "/" if rel else ""}
 
     @functools.cached_property
     def _kv(self) -> ts.KvStore:
@@ -121,97 +104,110 @@ def arrays_of(location: Location, meta: CheckpointMeta) -> Location | PackView:
     return PackView(location) if meta.packed else location
 
 
-class PackWriter(ShardObjectWriter):
-    """This rank's shards and documents into its own database: each run of ``io.pack_bytes``
-    is one transaction, so one data file. A transaction holds its encoded shards until it
-    commits, and one commits at a time: a save holds at most about two transactions' bytes
-    (the one committing, the one filling) besides its own."""
+class PackWriter(BoxWriter):
+    """This rank's shards and documents into a database of its own, written by layoutckpt
+    (``format/_ocdbt`` encodes it). Each of ``io.threads`` threads encodes whole shards and
+    appends them to a data file of its own (``_shardfile.DataFile``: past the page cache on a
+    local disk), a new one past ``io.pack_bytes``; ``join`` appends the documents and the
+    B+tree to one of them and writes the manifest last. So every byte is copied once, as a
+    plain save copies it, where TensorStore's OCDBT writer copies each value into its own
+    buffer first, and a rank writes about one data file per thread. On an object store a data
+    file is collected in memory and stored as one object when full: a save holds up to
+    ``io.threads * io.pack_bytes`` there."""
 
     def __init__(self, staging: Location, rank: int, io: IOConfig, in_flight: InFlight | None = None) -> None:
-        super().__init__(PackView(staging, rank_base(rank), OUT_OF_LINE), io, in_flight)
+        super().__init__(io, in_flight)
         self.staging = staging
-        self._data = staging.root / rank_base(rank) / "d" if isinstance(staging, LocalDir) else None
-        self._flushing: set[str] = set()  # data files whose writeback was started
-        self._txn = _transaction()
-        self._txn_bytes = 0
-        self._commits: list[Any] = []
-        self._writes: list[Any] = []  # into a transaction: done once it commits
-        self._paths: list[str] = []  # the arrays of the shards written
+        self.base = rank_base(rank)
+        self._disk = _shardfile.ShardFiles(staging.root, io) if isinstance(staging, LocalDir) else None
+        self._lock = threading.Lock()
+        self._paths: list[str] = []  # the data file table: file i is ``self._paths[i]``
+        self._open: dict[int, tuple[int, _shardfile.DataFile]] = {}  # by thread: (file id, file)
+        self._entries: list[tuple[str, _ocdbt.Placed]] = []
+        self._documents: list[tuple[str, bytes]] = []
+        self._arrays: list[str] = []  # of the shards written
+        self._threads = Workers("layoutckpt-pack", io.threads)
 
-    def _store(self, key: str, value: bytearray, nbytes: int, path: str) -> None:
+    def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
+        cell = shard_cell(box, meta.shape, meta.shard_shape)
+        if cell is None:  # internal invariant: a save's plan makes whole shards only
+            raise ValueError(f"array {meta.path!r}: the box {list(box)} is not one whole shard")
+        self._threads.submit(self._whole, meta, cell, box, source)
+
+    def _whole(self, meta: ArrayMeta, cell: tuple[int, ...], box: Box, source: Source) -> int:
+        file_id, file = self._file()
+        try:
+            data = source.wait()
+            nbytes, dtype = _sized(meta, box, data)
+            self.in_flight.start(nbytes)
+            offset, length = file.shard(meta, cell, dtype, data)
+        finally:
+            source.release()  # copied into the file's buffer or written: no longer needed
+        self.in_flight.done(nbytes)
         with self._lock:
-            self._writes.append(self._kv.with_transaction(self._txn).write(key, value))
-            self._paths.append(path)
-            self.in_flight.done(nbytes)  # in the transaction: the source is no longer needed
-            self._txn_bytes += len(value)
-            if self._txn_bytes >= self.io.pack_bytes:
-                self._commit()
+            self._entries.append((f"{meta.path}/{meta.chunk_key(cell)}", _ocdbt.Placed(file_id, offset, length)))
+            self._arrays.append(meta.path)
+            full = file.size >= self.io.pack_bytes
+            if full:
+                del self._open[threading.get_ident()]
+        if full:
+            self._store(file)
+        return nbytes
+
+    def _file(self) -> tuple[int, _shardfile.DataFile]:
+        """This thread's data file, made on first need."""
+        me = threading.get_ident()
+        if me not in self._open:
+            name = f"d/{uuid.uuid4().hex}"
+            rel = f"{self.base}/{name}"
+            file = (
+                _shardfile.DataFile.on_disk(self._disk, rel)
+                if self._disk
+                else _shardfile.DataFile.in_memory(rel, self.io)
+            )
+            with self._lock:
+                self._paths.append(name)
+                self._open[me] = (len(self._paths) - 1, file)
+        return self._open[me]
+
+    def _store(self, file: _shardfile.DataFile) -> None:
+        data = file.close()
+        if data is not None:
+            self.staging.write(file.rel, data)
 
     def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
         plain = []
-        with self._lock:
-            kv = self._kv.with_transaction(self._txn)
-            for key, data in items:
-                if in_pack(key):
-                    self._writes.append(kv.write(key, data))
-                else:
-                    plain.append((key, data))
+        for key, data in items:
+            (self._documents if in_pack(key) else plain).append((key, data))
         self.staging.write_many(plain)
-
-    def _commit(self) -> None:
-        # One commit at a time: OCDBT writes commits pending together as one data file, and each
-        # one waited for bounds what is held to two transactions (this one, the one filling).
-        if self._commits:
-            self._commits[-1].result()
-            self._start_writeback()
-        self._commits.append(self._txn.commit_async())
-        self._txn, self._txn_bytes = _transaction(), 0
-
-    def _start_writeback(self) -> None:
-        """Ask the kernel to start writing the data files committed so far to a local disk
-        (``_os.start_writeback``): TensorStore writes them through the page cache, where the
-        save's final sync would find them all still in memory. No commit is in flight here, so
-        every file listed is whole."""
-        if self._data is None or not self._data.is_dir():
-            return
-        for name in os.listdir(self._data):
-            if name not in self._flushing:
-                self._flushing.add(name)
-                fd = os.open(self._data / name, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    _os.start_writeback(fd)
-                finally:
-                    os.close(fd)
 
     def join(self) -> int:
         written = self._threads.join()
-        with self._lock:
-            self._commit()
-        for c in self._commits:
-            c.result()
-        for w in self._writes:
-            w.result()
-        for path in self._paths:
+        tree = self._append_tree() if self._entries or self._documents else _ocdbt.encode_tree([], [], 0, 0)
+        while self._open:
+            self._store(self._open.popitem()[1][1])
+        manifest = _ocdbt.encode_manifest(uuid.uuid4().bytes, self._paths, tree, time.time_ns())
+        self.staging.write(f"{self.base}/{_packindex.MANIFEST}", manifest)
+        for path in self._arrays:
             _faults.point("save.box_written", name=path)
-        return written + self._others.join()
+        return written
+
+    def _append_tree(self) -> _ocdbt.Tree:
+        """Append the documents and the B+tree to a data file still open (or a new one)."""
+        file_id, index = next(iter(self._open.values())) if self._open else self._file()
+        entries = [(k, _ocdbt.Placed(file_id, index.value(v), len(v))) for k, v in self._documents]
+        entries += self._entries
+        tree = _ocdbt.encode_tree(self._paths, ((k.encode(), at) for k, at in entries), file_id, index.size)
+        for node in tree.nodes:
+            index.value(node)
+        return tree
 
     def close(self) -> None:
-        self._threads.close()
-        with self._lock:
-            self._txn.abort()  # what no commit took (nothing after ``join``)
-        for c in self._commits:
-            try:
-                c.result()
-            except Exception:  # noqa: BLE001 - join raises the first failure
-                pass
-        super().close()
-
-
-def _transaction() -> ts.Transaction:
-    # Atomic: OCDBT writes it as one data file at its commit. A plain transaction may be written
-    # back in parts as TensorStore's cache fills (and layoutckpt's cache holds nothing), each
-    # part a data file of its own.
-    return ts.Transaction(atomic=True)
+        self._threads.close()  # unstarted shards are dropped
+        while self._open:
+            self._open.popitem()[1][1].close(finish=False)
+        if self._disk is not None:
+            self._disk.close()
 
 
 def merge(staging: Location, world: int) -> None:

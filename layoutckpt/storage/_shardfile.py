@@ -1,7 +1,8 @@
 """Shard files (``docs/format.md`` section 5.4) written on a local file system, without TensorStore.
 
 ``write_shard`` (or ``ShardFiles.write``, for many shards with one ``IOConfig``) writes one shard
-as a stream, a few inner chunks at a time. Two writers use it:
+as a stream, a few inner chunks at a time; ``DataFile`` appends many shards to one file (a
+packed checkpoint's). Two writers use it:
 
 - ``save``, with the shard in memory: TensorStore would copy each inner chunk into a fresh
   buffer, assemble the shard in memory and write it through a lock file and a rename. Here a
@@ -115,6 +116,61 @@ class ShardFiles:
             sink.release()
             os.close(fd)
         return written
+
+
+class DataFile:
+    """One file that whole shards and other values are appended to, one after another (a packed
+    checkpoint's data file). On a local disk (``on_disk``) a stream of ``io.direct_bytes``
+    blocks past the page cache where the file system allows it (``_Direct``), through it where
+    not; elsewhere collected in memory (``in_memory``) for one object. Not thread-safe: a writer
+    thread appends to a file of its own, so the values need no alignment between them."""
+
+    def __init__(self, rel: str, sink: _Sink, fd: int, group_bytes: int) -> None:
+        self.rel = rel
+        self.size = 0
+        self._sink = sink
+        self._fd = fd
+        self._group_bytes = group_bytes
+
+    @classmethod
+    def on_disk(cls, files: ShardFiles, rel: str) -> DataFile:
+        fd = _os.create_file(files.root / rel, direct=files.io.direct_io)
+        direct = _os.is_direct(fd)
+        sink = _Direct(fd, files._threads(), files.io.direct_bytes) if direct else _Buffered(fd)
+        return cls(rel, sink, fd, files.io.group_bytes)
+
+    @classmethod
+    def in_memory(cls, rel: str, io: IOConfig) -> DataFile:
+        return cls(rel, _Collect(), -1, io.group_bytes)
+
+    def shard(self, meta: ArrayMeta, cell: Sequence[int], dtype: np.dtype, source: ShardSource) -> tuple[int, int]:
+        """Append the shard at ``cell`` as ``ShardFiles.write`` writes it; its offset and length."""
+        at = self.size
+        self.size += encode(self._sink, meta, cell, dtype, source, self._group_bytes)
+        return at, self.size - at
+
+    def value(self, data: bytes) -> int:
+        """Append ``data``; its offset."""
+        at = self.size
+        self._sink.write([data], len(data))
+        self.size += len(data)
+        return at
+
+    def close(self, *, finish: bool = True) -> bytearray | None:
+        """Complete the file (with ``finish``) and close it: on disk the kernel starts writing
+        what went through the page cache at once; in memory, the bytes, to be stored."""
+        sink, self._sink = self._sink, _Sink()
+        try:
+            if finish:
+                sink.finish()
+                if isinstance(sink, _Buffered):
+                    _os.start_writeback(self._fd)
+        finally:
+            sink.release()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+        return sink.value if finish and isinstance(sink, _Collect) else None
 
 
 def encode(

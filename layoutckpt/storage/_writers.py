@@ -95,10 +95,6 @@ class TensorStoreWriter(BoxWriter):
         self._pending: list[tuple[Any, str]] = []  # (write, array path)
         self._bytes = 0
 
-    def _transaction(self) -> Any:
-        """The transaction the writes join, or None: each write commits by itself."""
-        return None
-
     def write(self, meta: ArrayMeta, box: Box, source: Source) -> None:
         if meta.bound_to is not None:
             # Internal invariant: a save's plan makes whole shards only, which layoutckpt encodes.
@@ -111,23 +107,19 @@ class TensorStoreWriter(BoxWriter):
         if meta.path not in self._opened:
             self._opened[meta.path] = _store.open_array(self._ctx, self.location, meta)
         store = self._opened[meta.path].result()
-        txn = self._transaction()
-        if txn is not None:
-            store = store.with_transaction(txn)
         data = source.wait()
         if callable(data):
             data = data(box)  # TensorStore stores a shard as one value: the box is read whole
         target = store[tuple(slice(a, b) for a, b in box)] if box else store
         self.in_flight.start(data.nbytes)
-        # Alone, a write may keep the source until it is stored (no copy); in a transaction it
-        # copies at once, since the transaction may commit long after the source must go back.
-        w = target.write(data, can_reference_source_data_indefinitely=txn is None)
+        # The write may keep the source until it is stored (no copy): it goes back at the commit.
+        w = target.write(data, can_reference_source_data_indefinitely=True)
 
         def settled(_: Any, nbytes: int = data.nbytes) -> None:
             self.in_flight.done(nbytes)
             source.release()
 
-        (w.commit if txn is None else w.copy).add_done_callback(settled)
+        w.commit.add_done_callback(settled)
         self._pending.append((w, meta.path))
         self._bytes += data.nbytes
 

@@ -104,13 +104,13 @@ def data_files(root: Path, rank: int = 0) -> list[Path]:
     return sorted((root / _packs.rank_base(rank) / "d").iterdir())
 
 
-# A rank's database: its manifest and its data files, one per transaction
-# (``test_one_transaction_is_one_data_file``); the default pack_bytes makes a small save one.
-MOST_DATA_FILES_PER_TRANSACTION = 1
+# A rank's database: its manifest and its data files, one per writing thread
+# (``test_a_rank_writes_a_data_file_per_thread``) below the default pack_bytes.
+MOST_DATA_FILES_PER_RANK = lc.IOConfig().threads
 
 
 def assert_packed_files(root: Path, world: int = 1) -> int:
-    """The files of a packed checkpoint saved by ``world`` ranks with one transaction each: the
+    """The files of a packed checkpoint saved by ``world`` ranks, each below ``pack_bytes``: the
     marker, the root database (manifest and its B-tree) and each rank's database; nothing per
     array. Returns how many."""
     names = relative(root)
@@ -120,10 +120,10 @@ def assert_packed_files(root: Path, world: int = 1) -> int:
     for r in range(world):
         base = _packs.rank_base(r)
         assert f"{base}/manifest.ocdbt" in names, names
-        assert 1 <= len([n for n in names if n.startswith(f"{base}/d/")]) <= MOST_DATA_FILES_PER_TRANSACTION, names
+        assert 1 <= len([n for n in names if n.startswith(f"{base}/d/")]) <= MOST_DATA_FILES_PER_RANK, names
     others = [n for n in names if n not in ("zarr.json", "manifest.ocdbt") and not n.startswith(("d/", "packs/"))]
     assert not others, others
-    assert len(names) <= 3 + world * (1 + MOST_DATA_FILES_PER_TRANSACTION)
+    assert len(names) <= 3 + world * (1 + MOST_DATA_FILES_PER_RANK)
     return len(names)
 
 
@@ -235,7 +235,7 @@ def test_packed_with_compression_and_a_multi_chunk_array(tmp_path):
     assert sum(f.stat().st_size for f in data_files(path)) < big.numel() * 4
 
 
-# --- 2. pack_bytes: one data file per transaction -----------------------------------------------
+# --- 2. the rank's data files: one per writing thread, none much past pack_bytes ----------------
 
 
 def pack_state(n: int, nbytes: int) -> dict[str, np.ndarray]:
@@ -248,15 +248,15 @@ def stored_bytes(path: Path) -> int:
 
 
 def test_small_pack_bytes_stores_each_byte_once_and_reads_back_exactly(tmp_path):
-    """64 arrays of 16 KiB (1 MiB) with ``pack_bytes`` of 64 KiB: a transaction commits every 4
-    arrays; every byte is stored once, and everything reads back."""
+    """64 arrays of 16 KiB (1 MiB) with ``pack_bytes`` of 64 KiB: a thread starts a new data
+    file every 4 arrays; every byte is stored once, and everything reads back."""
     state = pack_state(64, 16 << 10)
     total = sum(a.nbytes for a in state.values())
     assert total == 1 << 20
     path = tmp_path / "small"
     lc.save(path, state, packing="ocdbt", io=lc.IOConfig(pack_bytes=64 << 10))
     assert lc.open(path).meta.packing == "ocdbt"
-    # Each shard once (its crc32c and index besides): no transaction wrote a value twice.
+    # Each shard once (its crc32c and index besides), then the documents and the B+tree.
     assert total <= stored_bytes(path) < total + 64 * 1024 + (64 << 10)
     out = lc.load(path)
     assert all(bits(out[k]) == bits(v) for k, v in state.items())
@@ -265,74 +265,62 @@ def test_small_pack_bytes_stores_each_byte_once_and_reads_back_exactly(tmp_path)
 
 
 def test_pack_bytes_bounds_each_data_file(tmp_path):
-    """What ``IOConfig.pack_bytes`` promises: one data file per ``pack_bytes`` of shards, so no
-    data file holds much more than ``pack_bytes`` and one shard."""
+    """What ``IOConfig.pack_bytes`` promises: a thread starts a new data file once its file holds
+    ``pack_bytes``, so no data file holds much more than ``pack_bytes`` and one shard."""
     pack, shard = 8 << 10, 8 << 10
     state = pack_state(128, shard)
     path = tmp_path / "ck"
     lc.save(path, state, packing="ocdbt", io=lc.IOConfig(pack_bytes=pack))
     sizes = sorted(f.stat().st_size for f in data_files(path))
-    assert len(sizes) >= 128 * shard // pack, sizes
-    # The last transaction also holds the rank's share of the zarr.json documents (< 1 KiB each).
+    assert len(sizes) >= 128 * shard // (pack + shard), sizes
+    # One file also holds the rank's share of the zarr.json documents (< 1 KiB each) and the tree.
     assert sizes[-2] <= pack + shard + 4096 and sizes[-1] <= pack + shard + 128 * 1024, sizes
 
 
-def test_pack_io_spreads_a_rank_over_a_few_data_files():
-    """A rank's shards go into up to ``PACKS_PER_RANK`` data files of at least ``MIN_PACK_BYTES``,
-    never more bytes per file than ``pack_bytes`` allows."""
-    io = lc.IOConfig()
-    mib = 1 << 20
-    assert _packs.pack_io(io, 1024 * mib).pack_bytes == 256 * mib
-    assert _packs.pack_io(io, 100 * mib).pack_bytes == _packs.MIN_PACK_BYTES
-    assert _packs.pack_io(io, 64 * 1024 * mib) is io  # 1 GiB files: 64 of them, none larger
-    small = lc.IOConfig(pack_bytes=64 << 10)
-    assert _packs.pack_io(small, 1024 * mib) is small
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_rank_writes_a_data_file_per_thread(tmp_path, threads):
+    """Below ``pack_bytes`` a rank's shards lie in at most one data file per writing thread, on a
+    local disk and on an object store alike, and read back exactly."""
+    state = state_of(600)
+    io = lc.IOConfig(threads=threads)
+    path, url = tmp_path / "disk", f"memory://packing/{tmp_path.name}/per-thread-{threads}"
+    for where in (path, url):
+        lc.save(where, state, packing="ocdbt", io=io)
+        assert_state(lc.load(where), 600)
+    assert 1 <= len(data_files(path)) <= threads
+    assert 1 <= len(locate(url).keys(f"{_packs.rank_base(0)}/d/")) <= threads
 
 
-def spread_save(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, np.ndarray], list[int]]:
-    """1 MiB of shards (64 arrays of 16 KiB) saved packed with the default ``pack_bytes`` and the
-    smallest pack lowered to 64 KiB (as 256 MiB of shards would see 64 MiB): the state, and the
-    sizes of the rank's data files, sorted."""
-    monkeypatch.setattr(_packs, "MIN_PACK_BYTES", 64 << 10)
-    state = pack_state(64, 16 << 10)
-    lc.save(path, state, packing="ocdbt")
-    return state, sorted(f.stat().st_size for f in data_files(path))
-
-
-def test_a_save_writes_its_first_data_files_while_it_encodes_the_rest(tmp_path, monkeypatch):
-    """Four data files of about a quarter each, not one written at the end, and everything
-    reads back."""
-    path = tmp_path / "spread"
-    state, sizes = spread_save(path, monkeypatch)
-    assert len(sizes) == _packs.PACKS_PER_RANK, sizes
-    # the last transaction also holds the rank's share of the zarr.json documents
-    assert all(s <= (256 << 10) + (16 << 10) + 4096 for s in sizes[:-1]), sizes
-    out = lc.load(path)
-    assert all(bits(out[k]) == bits(v) for k, v in state.items())
-
-
-def test_each_committed_data_file_starts_its_writeback_before_the_save_ends(tmp_path, monkeypatch):
-    """TensorStore writes a data file through the page cache: once its transaction commits, the
-    kernel is asked to start writing it to disk (``_os.start_writeback``), so the save's final
-    sync does not find every file still in memory: each of the four data files, whole."""
+def test_each_data_file_starts_its_writeback_once_whole(tmp_path, monkeypatch):
+    """A data file written through the page cache asks the kernel to start writing it once it is
+    complete (``_os.start_writeback``), so the save's final sync does not find every file still
+    in memory: each data file once, at its final size."""
     started: list[int] = []
     real = _packs._os.start_writeback
     monkeypatch.setattr(_packs._os, "start_writeback", lambda fd: (started.append(os.fstat(fd).st_size), real(fd)))
-    _, sizes = spread_save(tmp_path / "wb", monkeypatch)
-    assert len(sizes) == _packs.PACKS_PER_RANK
-    assert sorted(started) == sizes, (started, sizes)  # each file once, at its final size
+    path = tmp_path / "wb"
+    lc.save(path, pack_state(64, 16 << 10), packing="ocdbt", io=lc.IOConfig(direct_io=False, pack_bytes=256 << 10))
+    sizes = sorted(f.stat().st_size for f in data_files(path))
+    assert len(sizes) >= 4
+    assert sorted(started) == sizes, (started, sizes)
 
 
-def test_one_transaction_is_one_data_file(tmp_path):
-    """With the default ``pack_bytes`` a rank's save is one transaction, so one data file: checked
-    on five saves of 600 arrays to ``memory://`` (where the batching shows most)."""
-    state = state_of(600)
-    counts = []
-    for i in range(5):
-        url = f"memory://packing/{tmp_path.name}/one-{i}"
-        lc.save(url, state, packing="ocdbt")
-        counts.append(len(locate(url).keys(f"{_packs.rank_base(0)}/d/")))
-    assert counts == [1] * 5, counts
+def test_data_files_go_past_the_page_cache_where_the_file_system_allows(tmp_path, monkeypatch):
+    """Where the file system takes ``O_DIRECT``, a data file is written past the page cache in
+    blocks and cut back to its length: the values lie packed one after another all the same."""
+    fd = _os.create_file(tmp_path / "probe", direct=True)
+    direct = _os.is_direct(fd)
+    os.close(fd)
+    blocks: list[int] = []
+    real = _os.write_direct
+    monkeypatch.setattr(_os, "write_direct", lambda fd, buf, at: (blocks.append(len(buf)), real(fd, buf, at)))
+    state = pack_state(6, 3 << 20)
+    path = tmp_path / "direct"
+    lc.save(path, state, packing="ocdbt", io=lc.IOConfig(direct_bytes=1 << 20))
+    assert (len(blocks) >= 18) == direct, (direct, blocks)
+    out = lc.load(path)
+    assert all(bits(out[k]) == bits(v) for k, v in state.items())
+    assert sum(a.nbytes for a in state.values()) <= stored_bytes(path) < sum(a.nbytes for a in state.values()) + 65536
 
 
 # --- 3. partial reads -----------------------------------------------------------------------------

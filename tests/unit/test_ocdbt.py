@@ -144,3 +144,50 @@ def test_a_packed_local_checkpoint_loads_through_the_own_reader(tmp_path, monkey
     out = lc.load(tmp_path / "ck")
     assert all(np.asarray(out[k]).tobytes() == np.asarray(v).tobytes() for k, v in state.items())
     assert _shardread.bytes_read() - before >= sum(np.asarray(v).nbytes for v in state.values())
+
+
+# --- encoding: layoutckpt's own writer of a rank's database ----------------------------------------
+
+
+def _encoded_db(root, items, node_bytes, monkeypatch):
+    """``items`` written as ``PackWriter`` writes a database: values spread over two data files,
+    the B+tree after the values of the second, the manifest last."""
+    monkeypatch.setattr(_ocdbt, "NODE_BYTES", node_bytes)
+    paths, data = ["d/one", "d/two"], [bytearray(), bytearray()]
+    entries = []
+    for i, (key, value) in enumerate(items.items()):
+        entries.append((key.encode(), _ocdbt.Placed(i % 2, len(data[i % 2]), len(value))))
+        data[i % 2] += value
+    tree = _ocdbt.encode_tree(paths, entries, 1, len(data[1]))
+    data[1] += b"".join(tree.nodes)
+    (root / "d").mkdir(parents=True)
+    for path, raw in zip(paths, data):
+        (root / path).write_bytes(raw)
+    (root / "manifest.ocdbt").write_bytes(_ocdbt.encode_manifest(os.urandom(16), paths, tree, 1))
+    return tree
+
+
+@pytest.mark.parametrize(
+    ("n", "node_bytes", "height"), [(1, 1 << 20, 0), (300, 1 << 20, 0), (3000, 1024, 2), (3000, 200, 4)]
+)
+def test_an_encoded_database_reads_in_tensorstore_and_the_own_reader(tmp_path, monkeypatch, n, node_bytes, height):
+    """Every key of an encoded tree, one node or several levels, is read by TensorStore (and
+    listed), by ``PackIndex``, and after TensorStore merges it into another database
+    as a save's commit does."""
+    items = _items(n, seed=n + node_bytes)
+    db = tmp_path / _packs.rank_base(0)
+    tree = _encoded_db(db, items, node_bytes, monkeypatch)
+    assert tree.height == height and tree.keys == n
+    assert tree.value_bytes == sum(len(v) for v in items.values())
+    kv = _db(db)
+    assert sorted(kv.list().result()) == sorted(k.encode() for k in items)
+    assert all(kv.read(k).result().value == v for k, v in items.items())
+    _check_all(db, items, _packindex.PackIndex(db))
+    _packs.merge(locate(str(tmp_path)), 1)
+    _check_all(tmp_path, items, _packindex.PackIndex(tmp_path))
+
+
+def test_an_empty_encoded_database_has_no_keys(tmp_path, monkeypatch):
+    _encoded_db(tmp_path / "db", {}, 1 << 20, monkeypatch)
+    assert _db(tmp_path / "db").list().result() == []
+    assert _packindex.PackIndex(tmp_path / "db").locate("a/c/0") is None
