@@ -37,7 +37,7 @@ from ..layout._plan import Box, shard_cell
 from . import _os, _packindex, _shardfile, _store
 from ._location import MAX_DOCUMENT_BYTES, LocalDir
 from ._readers import BoxReader, PackedFileReader, TensorStoreReader
-from ._writers import BoxWriter, Source, _sized
+from ._writers import BoxWriter, Source, staged_size
 
 if TYPE_CHECKING:
     from ..format._format import ArrayMeta, CheckpointMeta
@@ -138,7 +138,7 @@ class PackWriter(BoxWriter):
         file_id, file = self._file()
         try:
             data = source.wait()
-            nbytes, dtype = _sized(meta, box, data)
+            nbytes, dtype = staged_size(meta, box, data)
             self.in_flight.start(nbytes)
             offset, length = file.shard(meta, cell, dtype, data)
         finally:

@@ -166,7 +166,7 @@ class _WholeShards(BoxWriter):
         self._others.write_documents(items)
 
 
-def _sized(meta: ArrayMeta, box: Box, data: Any) -> tuple[int, np.dtype]:
+def staged_size(meta: ArrayMeta, box: Box, data: Any) -> tuple[int, np.dtype]:
     """The array bytes and dtype of a box's staged ``data`` (an array, or a function of it)."""
     if isinstance(data, np.ndarray):
         return data.nbytes, data.dtype
@@ -184,7 +184,7 @@ class ShardFileWriter(_WholeShards):
     def _whole(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
         try:
             data = source.wait()
-            nbytes, dtype = _sized(meta, box, data)
+            nbytes, dtype = staged_size(meta, box, data)
             self.in_flight.start(nbytes)
             self._files.write(meta, cell, dtype, data, start_writeback=True)
             self.in_flight.done(nbytes)
@@ -224,7 +224,7 @@ class ShardObjectWriter(_WholeShards):
     def _whole(self, meta: ArrayMeta, box: Box, cell: tuple[int, ...], source: Source) -> int:
         try:
             data = source.wait()
-            nbytes, dtype = _sized(meta, box, data)
+            nbytes, dtype = staged_size(meta, box, data)
             self.in_flight.start(nbytes)
             value = _shardfile.shard_value(meta, cell, dtype, data, self.io.group_bytes)
         finally:
