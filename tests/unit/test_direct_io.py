@@ -54,10 +54,15 @@ def small_blocks(tmp_path, monkeypatch):
 
 # (array shape, shard shape, inner chunk shape, dtype): whole rows (written from the source),
 # column cuts (gathered), bf16; none a whole number of 4096-byte blocks, so the last is padded.
+# Gathered chunks go straight into the blocks where they fit: float64 elements then sit at
+# offsets that are no multiple of 8 (each chunk is followed by 4 checksum bytes), and chunks
+# larger than a block never fit.
 CASES = [
     ((256, 100), (128, 100), (8, 100), "float32"),
     ((256, 100), (128, 100), (8, 10), "float32"),
     ((90, 130), (90, 130), (30, 13), "bfloat16"),
+    ((60, 90), (60, 90), (6, 9), "float64"),
+    ((64, 2048), (64, 2048), (8, 256), "float32"),
 ]
 
 
@@ -67,6 +72,13 @@ def _meta(shape, shard, inner, dtype) -> ArrayMeta:
 
 def _array(shape, dtype) -> np.ndarray:
     bits = np.random.default_rng(0).integers(0, 256, size=int(np.prod(shape)) * 4, dtype=np.uint8)
+    if dtype == "float64":
+        return (
+            np.random.default_rng(0)
+            .integers(0, 256, size=int(np.prod(shape)) * 8, dtype=np.uint8)
+            .view(np.float64)
+            .reshape(shape)
+        )
     if dtype == "bfloat16":
         return torch.from_numpy(bits.view(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().reshape(shape)
     return bits.view(np.float32).reshape(shape)
@@ -100,6 +112,23 @@ def test_a_shard_written_past_the_page_cache_has_the_same_bytes(tmp_path, small_
     out = np.empty(shape, array.dtype)
     _shardread.read_box(tmp_path / "direct", meta, tuple((0, n) for n in shape), out)
     assert out.tobytes() == array.tobytes()
+
+
+def test_gathered_chunks_go_through_the_scratch_buffer_only_across_blocks(tmp_path, small_blocks, monkeypatch):
+    if not _accepts_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT, so no chunk is gathered into a block")
+    through_scratch = []
+    real = _shardfile._write_group
+    monkeypatch.setattr(
+        _shardfile,
+        "_write_group",
+        lambda sink, buf, start, n, size: (through_scratch.append(n), real(sink, buf, start, n, size)),
+    )
+    shape, shard, inner, dtype = CASES[1]  # two shards of 160 chunks of 324 bytes, 25.3 to a block
+    _write_every_shard(tmp_path / "direct", _meta(shape, shard, inner, dtype), _array(shape, dtype), DIRECT)
+    chunk = 8 * 10 * 4 + 4
+    straddling = 2 * ((160 * chunk) // BLOCK)  # per shard: one chunk across each block boundary
+    assert through_scratch == [1] * straddling
 
 
 def test_small_and_compressed_shards_stay_in_the_page_cache(tmp_path, small_blocks):
