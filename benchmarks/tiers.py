@@ -17,8 +17,10 @@ machine's drift falls on all of them:
 - ``dcp``: PyTorch DCP ``async_save`` every step (each waits for the previous, as DCP requires).
 
 It reports the median step time of each mode (the maximum over ranks of each rank's median over
-its steps, then the median over repeats), the ratio to ``none``, and for ``tiers`` the copy into
-host memory (the part of the save the loop waits for) next to the step time. Then it restores the
+its steps, then the median over repeats) and the mean step time likewise, each with its ratio to
+``none``, and for ``tiers`` the copy into host memory (the part of the save the loop waits for)
+next to the step time. A persist slows the one or two steps that run beside it, which the median
+hides and the mean (what a run's length follows) counts. Then it restores the
 newest step from the fast tier and a persisted step from the durable tier, each twice: into fresh
 arrays (``mgr.load(layout)``: the new memory's page faults are paid whichever tier serves it) and
 into the live model and optimizer (``like=state, inplace=True``, as a job restoring into the model
@@ -149,7 +151,11 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                 pending.result()
             skip = min(3, len(times) // 2)  # first steps: buffers allocated, plans made
             results[mode].append(
-                {"step": statistics.median(times[skip:]), "copy": statistics.median(copies[skip:]) if copies else 0.0}
+                {
+                    "step": statistics.median(times[skip:]),
+                    "mean": statistics.mean(times[skip:]),
+                    "copy": statistics.median(copies[skip:]) if copies else 0.0,
+                }
             )
             if mgr is not None:
                 mgr.wait()
@@ -210,15 +216,18 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     repeats = len(per_rank[0]["modes"]["none"])
     rows = {}
     for mode in MODES:
-        step = [max(r["modes"][mode][i]["step"] for r in per_rank) for i in range(repeats)]
-        copy = [max(r["modes"][mode][i]["copy"] for r in per_rank) for i in range(repeats)]
+        step, mean, copy = (
+            [max(r["modes"][mode][i][k] for r in per_rank) for i in range(repeats)] for k in ("step", "mean", "copy")
+        )
         rows[mode] = {
             "step_s": statistics.median(step),
+            "mean_s": statistics.median(mean),
             "copy_s": statistics.median(copy),
             "spread": [min(step), max(step)],
         }
     for mode in MODES:
         rows[mode]["vs_none"] = rows[mode]["step_s"] / rows["none"]["step_s"]
+        rows[mode]["mean_vs_none"] = rows[mode]["mean_s"] / rows["none"]["mean_s"]
     restore = {}
     for kind in RESTORES:
         fast = [max(r["restore"][i][f"fast_{kind}"] for r in per_rank) for i in range(repeats)]
@@ -299,10 +308,14 @@ def _print(args: argparse.Namespace, summary: dict[str, Any]) -> None:
         f"{args.ranks} ranks, {summary['state_mb_per_rank']:.1f} MiB of model+optimizer per rank, "
         f"local tier {args.local}, durable tier {args.durable}"
     )
-    print(f"{'mode':8} {'step (s)':>10} {'vs none':>8} {'copy (s)':>10}  spread over {args.repeats} repeats")
+    print(
+        f"{'mode':8} {'step (s)':>10} {'vs none':>8} {'mean (s)':>10} {'vs none':>8} {'copy (s)':>10}  "
+        f"median's spread over {args.repeats} repeats"
+    )
     for mode, row in summary["rows"].items():
         print(
-            f"{mode:8} {row['step_s']:10.4f} {row['vs_none']:8.3f} {row['copy_s']:10.4f}  {row['spread'][0]:.4f}-{row['spread'][1]:.4f}"
+            f"{mode:8} {row['step_s']:10.4f} {row['vs_none']:8.3f} {row['mean_s']:10.4f} {row['mean_vs_none']:8.3f} "
+            f"{row['copy_s']:10.4f}  {row['spread'][0]:.4f}-{row['spread'][1]:.4f}"
         )
     for kind, r in summary["restore"].items():
         print(

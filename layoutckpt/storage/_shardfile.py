@@ -9,8 +9,9 @@ packed checkpoint's). Two writers use it:
   chunk that is contiguous in the source goes from the tensor's own memory to the file, and the
   others are gathered, a few at a time, by one NumPy copy into a small reused buffer; each group
   goes out in one ``writev`` with the chunks' checksums between them. A large shard goes past
-  the page cache instead (``_Direct``): copied into reused aligned buffers, written by a thread
-  while the next fills.
+  the page cache instead (``_Direct``): its chunks are copied (gathered, where they cut the
+  last dimension) straight into reused aligned buffers, each checksum taken there, and each
+  buffer is written by a thread while the next fills.
 - ``import_safetensors``, which reads its source piece by piece: TensorStore stores a shard as
   one value, so every partial write would re-read and rewrite the whole shard.
 
