@@ -349,13 +349,11 @@ def _place(sink: _Sink, chunks: np.ndarray, chunk_bytes: int) -> int:
     n = min(len(chunks), sink.room() // stride)
     if n == 0:
         return 0
-    region = sink.claim(n * stride)
+    chunks, region = chunks[:n], sink.claim(n * stride)
     # Each chunk in C order at its place in the block; the block's offset and the 4-byte
     # checksums leave the elements unaligned for wider types, which NumPy copies all the same.
-    dst = np.ndarray(
-        chunks[:n].shape, chunks.dtype, region, 0, (stride, *_c_strides(chunks.shape[1:], chunks.itemsize))
-    )
-    np.copyto(dst, chunks[:n])
+    strides = (stride, *_c_strides(chunks.shape[1:], chunks.itemsize))
+    np.copyto(np.ndarray(chunks.shape, chunks.dtype, region, 0, strides), chunks)
     for at in range(0, n * stride, stride):
         struct.pack_into("<I", region, at + chunk_bytes, crc32c.crc32c(region[at : at + chunk_bytes]))
     sink.advance(n * stride)
