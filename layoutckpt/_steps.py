@@ -106,5 +106,5 @@ def committed_steps(root: str | os.PathLike[str] | Location) -> list[int]:
         return sorted(step for step, _, committed in step_folders(loc.url) if committed)
     # One listing of the steps' keys finds every marker (``step_N/zarr.json``).
     keys = loc.keys(STEP_PREFIX)
-    found = (step_of(k.removesuffix("/" + MARKER)) for k in keys if k.endswith("/" + MARKER))
+    found = (step_of(k.removesuffix("/" + MARKER)) for k in keys if k.count("/") == 1 and k.endswith("/" + MARKER))
     return sorted(s for s in found if s is not None)

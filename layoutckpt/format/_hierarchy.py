@@ -8,11 +8,12 @@ rank; ``import_safetensors``) writes these documents from here.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ._format import CheckpointMeta, group_document
+from ._format import ArrayMeta, CheckpointMeta, group_document
 
 # The group of the per-rank documents (``_rankstate``): ``.rank_state/00003/zarr.json``.
 RANK_STATE_DIR = ".rank_state"
@@ -51,4 +52,12 @@ def documents(meta: CheckpointMeta, rank: int = 0, world: int = 1) -> Iterator[t
     docs.extend((g, group_document()) for g in sorted(groups))
     arrays = {a.path: a for a in meta.arrays.values()}
     for path, doc in docs[rank::world]:
-        yield f"{path}/zarr.json", doc or json.dumps(arrays[path].zarr_metadata()).encode()
+        yield f"{path}/zarr.json", doc or array_document(arrays[path])
+
+
+# A manager saves the same arrays step after step (a tier every step): their documents are
+# encoded once. ``ArrayMeta`` is a frozen value, so equal arrays share the bytes.
+@functools.lru_cache(maxsize=1 << 14)
+def array_document(meta: ArrayMeta) -> bytes:
+    """The array's ``zarr.json`` as written."""
+    return json.dumps(meta.zarr_metadata()).encode()

@@ -76,48 +76,77 @@ class _Array:
 
 
 class HeldRoot:
-    """Everything stored under one registered root, by key relative to it; thread-safe."""
+    """Everything stored under one registered root, by key relative to it; thread-safe.
+
+    Keys are kept by their first segment (a step's folder, ``step_00000001``), then the rest:
+    retiring a step and listing one touch that step's keys only, not every step's."""
 
     def __init__(self, path: str) -> None:
         self.path = path  # "run/0": the root's URL without its scheme
         self._lock = threading.Lock()
-        self._docs: dict[str, bytes] = {}
-        self._arrays: dict[str, _Array] = {}  # by array path: "step_00000001/model/w"
+        self._docs: dict[str, dict[str, bytes]] = {}
+        self._arrays: dict[str, dict[str, _Array]] = {}  # array paths: "step_00000001" -> "model/w"
 
     def read(self, key: str) -> bytes | None:
-        return self._docs.get(key)
+        top, rest = _split(key)
+        return self._docs.get(top, {}).get(rest)
 
     def write(self, key: str, data: bytes) -> None:
+        top, rest = _split(key)
         with self._lock:
-            self._docs[key] = bytes(data)
+            self._docs.setdefault(top, {})[rest] = bytes(data)
 
     def array(self, key: str) -> _Array | None:
-        return self._arrays.get(key)
+        top, rest = _split(key)
+        return self._arrays.get(top, {}).get(rest)
 
     def put_array(self, key: str, array: _Array) -> None:
+        top, rest = _split(key)
         with self._lock:
-            old = self._arrays.pop(key, None)
-            self._arrays[key] = array
+            folder = self._arrays.setdefault(top, {})
+            old = folder.pop(rest, None)
+            folder[rest] = array
         _drop([old] if old is not None else [])
 
     def keys(self, prefix: str) -> list[str]:
         """Every key under ``prefix`` (documents, and array paths), relative to the root."""
         with self._lock:
-            found = [k for k in self._docs if k.startswith(prefix)]
-            found += [k for k in self._arrays if k.startswith(prefix)]
+            found = _matching(self._docs, prefix) + _matching(self._arrays, prefix)
         return sorted(found)
 
     def delete(self, prefix: str, keep: str | None = None) -> None:
         """Drop everything under ``prefix`` but the document ``keep``; lent arrays go back."""
         with self._lock:
-            for k in [k for k in self._docs if k.startswith(prefix) and k != keep]:
-                del self._docs[k]
-            dropped = [self._arrays.pop(k) for k in [k for k in self._arrays if k.startswith(prefix)]]
+            for k in _matching(self._docs, prefix):
+                if k != keep:
+                    top, rest = _split(k)
+                    del self._docs[top][rest]
+            dropped = []
+            for k in _matching(self._arrays, prefix):
+                top, rest = _split(k)
+                dropped.append(self._arrays[top].pop(rest))
+            for store in (self._docs, self._arrays):
+                for top in [t for t, folder in store.items() if not folder]:
+                    del store[top]
         _drop(dropped)
 
     def delete_document(self, key: str) -> None:
+        top, rest = _split(key)
         with self._lock:
-            self._docs.pop(key, None)
+            self._docs.get(top, {}).pop(rest, None)
+
+
+def _split(key: str) -> tuple[str, str]:
+    top, _, rest = key.partition("/")
+    return top, rest
+
+
+def _matching(store: dict[str, dict[str, Any]], prefix: str) -> list[str]:
+    """The keys of ``store`` (by first segment) that start with ``prefix``."""
+    top, slash, rest = prefix.partition("/")
+    if slash:
+        return [f"{top}/{r}" for r in store.get(top, {}) if r and r.startswith(rest)]
+    return [f"{t}/{r}" if r else t for t, folder in store.items() if t.startswith(prefix) for r in folder]
 
 
 def _drop(arrays: list[_Array]) -> None:

@@ -17,6 +17,7 @@ checks before it takes the piece for that rank.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -81,6 +82,8 @@ def as_bytes(data: Any) -> Any:
     return torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
 
 
+# A tier saves the same leaves every step: their documents are made once (frozen values).
+@functools.lru_cache(maxsize=1 << 14)
 def array_meta(name: str, shape: tuple[int, ...], dtype: str, itemsize: int, kind: str) -> ArrayMeta:
     """A piece's array: one shard, the whole local tensor (at least 1 along each dimension, as
     the format requires: an empty tensor's shard stores nothing)."""
@@ -196,9 +199,9 @@ def _write_arrays(tmp: Location, piece: Piece, io: IOConfig, loan: _Loan) -> int
     writer = tmp.box_writer(io)
     try:
         for name, a in piece.meta.arrays.items():
-            box = _plan.shard_box(a.shape, P(), Mesh({}), 0)
-            if _plan.box_size(box) == 0:
+            if 0 in a.shape:
                 continue  # nothing to store; a load of the piece reads nothing for it either
+            box = tuple((0, n) for n in a.shape)  # a piece's shard is the whole local array
             # The host copy is the piece's own: written as it is (or kept), no second copy.
             data = piece.arrays[name]
             writer.write(a, box, loan.lend(to_numpy(data) if is_tensor(data) else np.asarray(data)))

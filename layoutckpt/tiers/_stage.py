@@ -54,25 +54,33 @@ class Staging:
 
     def copy(self) -> None:
         """Copy every source into its buffer (device sources on a side stream)."""
-        host = [(d, s) for d, s in self.copies if not is_tensor(s) or s.device.type == "cpu"]
-        device = [(d, s) for d, s in self.copies if is_tensor(s) and s.device.type != "cpu"]
-        tensors = [(d, s) for d, s in host if is_tensor(s)]
-        if tensors:
-            # One call for all: it releases the GIL once (see torch/_staging.stage_all).
-            torch._foreach_copy_([d for d, _ in tensors], [s.detach() for _, s in tensors])
-        for d, s in host:
+        host: list[tuple[Any, Any]] = []
+        device: list[tuple[Any, Any]] = []
+        for d, s in self.copies:
             if not is_tensor(s):
                 np.copyto(d, s, casting="no")
-        if device:
-            stream = torch.cuda.Stream(device=device[0][1].device)
-            stream.wait_stream(torch.cuda.current_stream(device[0][1].device))
-            with torch.cuda.stream(stream):
-                torch._foreach_copy_([d for d, _ in device], [s.detach() for _, s in device], non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record(stream)
-            for _, s in device:
-                s.record_stream(stream)
+            else:
+                (host if s.device.type == "cpu" else device).append((d, s))
         self.copies = []  # the live tensors are not kept alive by the piece
+        if not host and not device:
+            return  # torch may not even be installed
+        # No autograd (not a detach per tensor: with thousands of leaves that is a cost of its own).
+        with torch.no_grad():
+            if host:
+                # One call for all: it releases the GIL once (see torch/_staging.stage_all).
+                torch._foreach_copy_([d for d, _ in host], [s for _, s in host])
+            if device:
+                self._copy_device(device)
+
+    def _copy_device(self, device: list[tuple[Any, Any]]) -> None:
+        stream = torch.cuda.Stream(device=device[0][1].device)
+        stream.wait_stream(torch.cuda.current_stream(device[0][1].device))
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_([d for d, _ in device], [s for _, s in device], non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+        for _, s in device:
+            s.record_stream(stream)
 
     def synchronize(self) -> None:
         if self.event is not None:
@@ -112,19 +120,25 @@ def stage(
     structure, leaves = flatten(state)
     rank_doc = _rankstate.document(rank_state, 0, 1) if rank_state is not None else None
     sources, dtensors = {}, {}
+    cuda = False
     for name, leaf in leaves.items():
         if not is_array_leaf(leaf):
             continue
         if is_dtensor(leaf):
             dtensors[name] = leaf
             leaf = leaf.to_local()
-        # Stored bytes are little-endian (as lc.save stores them): a big-endian array is converted.
-        sources[name] = leaf if is_tensor(leaf) else np.asarray(leaf).astype(np.asarray(leaf).dtype.newbyteorder("="))
+        if is_tensor(leaf):
+            cuda = cuda or leaf.device.type == "cuda"
+            sources[name] = leaf
+        else:  # stored bytes are little-endian (as lc.save stores them): a big-endian array is converted
+            a = np.asarray(leaf)
+            sources[name] = a.astype(a.dtype.newbyteorder("="))
     # One pool per save: pinned host memory where the state is on a device.
-    pool = pool_of(any(is_tensor(s) and s.device.type == "cuda" for s in sources.values()))
-    metas = {name: leaf_meta(name, src if is_tensor(src) else leaves[name]) for name, src in sources.items()}
-    buffers: list[Any] = []
-    arrays = {name: _buffer(src, pool, buffers) for name, src in sources.items()}
+    pool = pool_of(cuda)
+    metas, arrays, buffers = {}, {}, []
+    for name, src in sources.items():
+        metas[name] = leaf_meta(name, src if is_tensor(src) else leaves[name])
+        arrays[name] = _buffer(src, pool, buffers)
     copies = [(arrays[name], src) for name, src in sources.items()]
     piece = Piece(
         piece_meta(metas, structure, step, dict(metadata or {}), info, rank_doc is not None), arrays, rank_doc

@@ -278,6 +278,35 @@ class TestHeldLocation(LocationTests):
             assert np.array_equal(read_into(reader, [BoxRead("w", meta, ((3, 31), (2, 20)))])[0], full[3:31, 2:20])
 
 
+def test_a_held_root_lists_and_deletes_by_prefix_across_its_folders():
+    """Keys are kept by their first segment: prefixes within a folder, across folders
+    (``step_1`` matches ``step_10``) and of a key that is itself a folder's name all answer as a
+    flat store would."""
+    root = _held.HeldRoot("keys")
+    for key in ("step_1/zarr.json", "step_1/w/zarr.json", "step_10/zarr.json", "step_1", "replica_2/step_1/x"):
+        root.write(key, b"d")
+    root.put_array("step_1/w", _held._Array(np.zeros(2), None))
+    root.put_array("step_10/w", _held._Array(np.zeros(2), None))
+    assert root.keys("step_1/") == ["step_1/w", "step_1/w/zarr.json", "step_1/zarr.json"]
+    assert root.keys("step_1") == [
+        "step_1",
+        "step_1/w",
+        "step_1/w/zarr.json",
+        "step_1/zarr.json",
+        "step_10/w",
+        "step_10/zarr.json",
+    ]
+    assert root.keys("step_1/w") == ["step_1/w", "step_1/w/zarr.json"]
+    assert root.keys("replica_2/step_1/") == ["replica_2/step_1/x"]
+    assert len(root.keys("")) == 7
+    held = root.array("step_1/w")
+    root.delete("step_1/", keep="step_1/zarr.json")
+    assert root.keys("step_1") == ["step_1", "step_1/zarr.json", "step_10/w", "step_10/zarr.json"]
+    assert held is not None and not held.alive and root.array("step_1/w") is None
+    root.delete("step_1")
+    assert root.keys("") == ["replica_2/step_1/x"]
+
+
 class _Given:
     """A source that is not lent: the writer copies it and releases it at once."""
 
