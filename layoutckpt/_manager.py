@@ -20,6 +20,7 @@ first, so a step is never listed while it is being deleted.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -376,7 +377,8 @@ class CheckpointManager:
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The user metadata of ``step`` (default: latest), read without loading any array."""
         path, _ = self._restorable(step)
-        return {k: v for k, v in _store.read_meta(path).user_metadata.items() if k != TIER_KEY}
+        found = _store.read_meta(path).user_metadata
+        return copy.deepcopy({k: v for k, v in found.items() if k != TIER_KEY})  # the parsed document is shared
 
     def reader(self, step: int | None = None) -> Reader:
         """A ``Reader`` (as ``lc.open`` returns) of ``step`` (default: the latest committed).

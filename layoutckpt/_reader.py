@@ -6,6 +6,7 @@ metadata alone and fetches only the inner chunks the requested slice overlaps.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -116,8 +117,8 @@ class Reader:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """The user metadata saved with the checkpoint."""
-        return dict(self.meta.user_metadata)
+        """The user metadata saved with the checkpoint (a copy: the parsed document is shared)."""
+        return copy.deepcopy(dict(self.meta.user_metadata))
 
     def rank_states(self) -> list[Any]:
         """Every saved rank's ``rank_state=`` document (index = saved rank); empty if none."""

@@ -547,7 +547,27 @@ def parse_json(raw: bytes, what: str) -> Any:
         ) from None
 
 
+# Root documents parsed lately, by their bytes: opening a step reads its root document several
+# times (a manager's listing, the tiers' agreement on a restore, the load itself), and checking a
+# large one (every array's geometry) is most of what opening costs. Equal bytes parse to equal,
+# immutable metadata; failures are not kept, so each is raised with its own ``where``.
+_PARSED_KEPT = 4
+_PARSED_MAX_BYTES = 16 << 20
+
+
 def parse_root_document(raw: bytes, where: str) -> CheckpointMeta:
+    """The checked metadata of the root ``zarr.json`` ``raw``; ``FormatError`` naming ``where``."""
+    if len(raw) <= _PARSED_MAX_BYTES:
+        return _parse_kept(bytes(raw), where)
+    return _parse_root_document(raw, where)
+
+
+@functools.lru_cache(maxsize=_PARSED_KEPT)
+def _parse_kept(raw: bytes, where: str) -> CheckpointMeta:
+    return _parse_root_document(raw, where)
+
+
+def _parse_root_document(raw: bytes, where: str) -> CheckpointMeta:
     if len(raw) > MAX_ROOT_DOCUMENT_BYTES:
         raise FormatError(
             f"{where}: zarr.json is {len(raw)} bytes, above the reader's limit of {MAX_ROOT_DOCUMENT_BYTES}"

@@ -113,6 +113,28 @@ def test_an_edit_of_a_compact_document_fails_its_checksum():
         _format.parse_root_document(raw.replace(b'"step":3', b'"step":4'), "c")
 
 
+def test_a_document_read_again_is_parsed_once_and_an_edit_of_it_still_fails():
+    raw = _root()
+    first = _format.parse_root_document(raw, "c")
+    assert _format.parse_root_document(bytes(bytearray(raw)), "c") is first  # equal bytes, read again
+    with pytest.raises(FormatError, match=r"^d: zarr\.json fails its checksum"):
+        _format.parse_root_document(raw.replace(b'"step":3', b'"step":4'), "d")
+    with pytest.raises(FormatError, match=r"^e: zarr\.json fails its checksum"):
+        _format.parse_root_document(raw.replace(b'"step":3', b'"step":4'), "e")  # failures not kept
+
+
+def test_the_metadata_a_reader_gives_is_a_copy_of_the_shared_document(tmp_path):
+    import layoutckpt as lc
+
+    lc.save(tmp_path / "c", {"w": np.arange(3)}, metadata={"config": {"lr": 0.1}})
+    lc.open(tmp_path / "c").metadata["config"]["lr"] = 0.0
+    assert lc.open(tmp_path / "c").metadata == {"config": {"lr": 0.1}}
+    with lc.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": np.arange(3)}, metadata={"config": {"lr": 0.1}}).result()
+        mgr.metadata(1)["config"]["lr"] = 0.0
+        assert mgr.metadata(1) == {"config": {"lr": 0.1}}
+
+
 @pytest.mark.parametrize("n", [16, 17, 500])  # both ways of checking: in Python, with NumPy
 def test_long_indexes_are_checked_alike(n):
     entries = [(i * 10, 10) for i in range(n)][::-1]
