@@ -119,9 +119,12 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     comm = comm_for(options.group)
     plan = _plan_load(root.url, meta, layout, options, comm)
     reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
-    reads = BackgroundReads(reader, plan.requests(meta), options.io)
+    requests, filled = plan.requests(meta)
+    reads = BackgroundReads(reader, requests, options.io)
     phases.since("plan", t0)
-    fut: LoadFuture[Any] = LoadFuture(lambda: _finish(plan, meta, reads, root.url, comm, phases, t0, fut), reads)
+    fut: LoadFuture[Any] = LoadFuture(
+        lambda: _finish(plan, meta, reads, filled, root.url, comm, phases, t0, fut), reads
+    )
     return fut
 
 
@@ -152,29 +155,32 @@ class _LoadPlan:
     options: LoadOptions
     composites: dict[str, Composite] = attrs.field(factory=dict)
 
-    def requests(self, meta: CheckpointMeta) -> list[BoxRead]:
+    def requests(self, meta: CheckpointMeta) -> tuple[list[BoxRead], frozenset[str]]:
+        """Every read, and the template leaves that the reads fill in place (``destinations``)."""
         boxes = list(self.targets.values()) + [key for _, _, parts in self.flats.values() for key, *_ in parts]
         boxes += [key for c in self.composites.values() for key, _ in c.parts]
         direct = self.destinations(meta)
-        return [
-            BoxRead(stored, meta.arrays[stored], box, out=direct.get((stored, box)), key=(stored, box))
+        outs = {key: view for key, (_, view) in direct.items()}
+        reads = [
+            BoxRead(stored, meta.arrays[stored], box, out=outs.get((stored, box)), key=(stored, box))
             for stored, box in dict.fromkeys(boxes)
             if _plan.box_size(box) > 0
         ]
+        return reads, frozenset(name for name, _ in direct.values())
 
-    def destinations(self, meta: CheckpointMeta) -> dict[Target, np.ndarray]:
+    def destinations(self, meta: CheckpointMeta) -> dict[Target, tuple[str, np.ndarray]]:
         """With ``inplace``, each box read straight into its template tensor's own memory (the
-        first template leaf of a box, where that is a CPU array of the stored dtype): no buffer
-        of its own, no copy after the read, no page faults on fresh memory
-        (docs/design/inplace-direct-reads.md). Other leaves are copied in once read."""
+        first template leaf of a box, where that is a CPU array of the stored dtype), by the
+        leaf's name: no buffer of its own, no copy after the read, no page faults on fresh
+        memory (docs/design/inplace-direct-reads.md). Other leaves are copied in once read."""
         if not self.options.inplace:
             return {}
-        out: dict[Target, np.ndarray] = {}
+        out: dict[Target, tuple[str, np.ndarray]] = {}
         for name, key in self.targets.items():
-            if key not in out:
+            if key not in out and _plan.box_size(key[1]) > 0:
                 view = _own_memory(self.template.get(name), meta.arrays[key[0]].dtype)
                 if view is not None:
-                    out[key] = view
+                    out[key] = (name, view)
         return out
 
 
@@ -352,6 +358,7 @@ def _finish(
     plan: _LoadPlan,
     meta: CheckpointMeta,
     reads: BackgroundReads,
+    filled: frozenset[str],
     where: str,
     comm: Any,
     phases: Phases,
@@ -362,7 +369,7 @@ def _finish(
     reads.join()
     phases.add("read", reads.seconds)
     start = time.perf_counter()
-    out = unflatten(plan.structure, _Builder(plan, meta, reads).leaf, plan.keep)
+    out = unflatten(plan.structure, _Builder(plan, meta, reads, filled).leaf, plan.keep)
     phases.since("place", start)
     flight = reads.in_flight
     arrays = len(
@@ -390,8 +397,9 @@ class _Builder:
     """Turns the arrays read into the leaves of the result: tensors or NumPy arrays, on the
     template's devices, as DTensors where the template holds them, or copied into it."""
 
-    def __init__(self, plan: _LoadPlan, meta: CheckpointMeta, reads: BackgroundReads) -> None:
+    def __init__(self, plan: _LoadPlan, meta: CheckpointMeta, reads: BackgroundReads, filled: frozenset[str]) -> None:
         self.plan, self.meta, self.reads = plan, meta, reads
+        self.filled = filled  # template leaves the reads filled in place: nothing left to do
         self.stored_leaves = meta.leaves
         self.built: dict[Target, Any] = {}
 
@@ -412,7 +420,7 @@ class _Builder:
         if name not in plan.targets:
             return decode_value(self.stored_leaves[name]) if name in self.stored_leaves else node
         if plan.options.inplace and target is not None:
-            return _fill(target, self.shard(name))
+            return target if name in self.filled else _fill(target, self.shard(name))
         key = plan.targets[name]
         if key not in self.built:
             # One object per stored array and box: names tied at save time stay tied.

@@ -1,0 +1,36 @@
+"""``lc.load(..., like=state, inplace=True)`` fills the template's own tensors: a box is read
+straight into the first contiguous CPU leaf of the stored dtype that wants it, and copied into
+every other leaf that wants it (a leaf tied to the same stored array, a view that is not
+contiguous, a NumPy array); the result is the template's objects, their memory unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import layoutckpt as lc
+
+
+def test_an_inplace_load_fills_every_leaf_of_the_template_once_read(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, generator=g)
+    saved = {"w": w, "tied": w, "t": torch.randn(4, 6, generator=g), "n": np.arange(5.0), "e": torch.zeros(0, 2)}
+    lc.save(tmp_path / "c", saved)
+    assert set(lc.open(tmp_path / "c").meta.arrays) == {"w", "t", "n", "e"}  # "tied" is stored once
+
+    holder = torch.full((6, 4), -1.0)
+    like = {
+        "w": torch.full((6, 4), -1.0),
+        "tied": torch.full((6, 4), -1.0),  # wants the same stored box as "w"
+        "t": holder.t(),  # not contiguous: cannot be read into, so copied
+        "n": np.full(5, -1.0),
+        "e": torch.zeros(0, 2),
+    }
+    addresses = {k: v.data_ptr() for k, v in like.items() if isinstance(v, torch.Tensor)}
+    out = lc.load(tmp_path / "c", like=like, inplace=True)
+
+    assert all(out[k] is like[k] for k in like)
+    assert {k: v.data_ptr() for k, v in out.items() if isinstance(v, torch.Tensor)} == addresses
+    assert torch.equal(out["w"], w) and torch.equal(out["tied"], w)
+    assert torch.equal(holder, saved["t"].t())
+    assert np.array_equal(out["n"], np.arange(5.0))
