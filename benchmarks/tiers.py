@@ -4,7 +4,7 @@
         [--repeats 3] [--local memory] [--durable dir] [--dir /tmp] [--json out.json]
 
 N local gloo ranks train a small Llama-like model data-parallel (gradients all-reduced, AdamW),
-and time every step in three modes, alternated repeat by repeat in one run so that the
+and time every step in four modes, alternated repeat by repeat in one run so that the
 machine's drift falls on all of them:
 
 - ``none``: no checkpoint;
@@ -14,12 +14,16 @@ machine's drift falls on all of them:
   under ``--dir``), and persists every 10th step to the durable tier in the background (``--durable
   dir``: a directory under ``--dir``; ``s3``: the loopback S3 server the tests use, moto, whose
   Python process shares the cores with the ranks, so read its step times with that in mind);
+- ``lazy``: as ``tiers``, but each save returns before its copy (``save(..., lazy=True)``), which
+  runs on a thread while the next step computes; the step waits for it (``wait_staged()``) only
+  before its optimizer update changes what is copied. On a GPU the copy would run on a side
+  stream beside forward and backward; here it shares the CPU cores with them;
 - ``dcp``: PyTorch DCP ``async_save`` every step (each waits for the previous, as DCP requires).
 
 It reports the median step time of each mode (the maximum over ranks of each rank's median over
 its steps, then the median over repeats) and the mean step time likewise, each with its ratio to
 ``none``, and for ``tiers`` the copy into host memory (the part of the save the loop waits for)
-next to the step time. A persist slows the one or two steps that run beside it, which the median
+next to the step time (for ``lazy``, the copy that ran beside the next step). A persist slows the one or two steps that run beside it, which the median
 hides and the mean (what a run's length follows) counts. Then it restores the
 newest step from the fast tier and a persisted step from the durable tier, each twice: into fresh
 arrays (``mgr.load(layout)``: the new memory's page faults are paid whichever tier serves it) and
@@ -47,7 +51,7 @@ from typing import Any
 
 from _common import evict
 
-MODES = ("none", "tiers", "dcp")
+MODES = ("none", "tiers", "lazy", "dcp")
 RESTORES = ("fresh", "inplace")
 BUCKET = "lc-bench"
 
@@ -105,11 +109,13 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
         0, opts["vocab"], (opts["batch"], opts["seq"]), generator=torch.Generator().manual_seed(rank)
     )
 
-    def train_step() -> None:
+    def train_step(before_update: Any = None) -> None:
         loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
         loss.backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
+        if before_update is not None:
+            before_update()  # a lazy save's copy must be done before the update changes what it copies
         opt.step()
         opt.zero_grad()
 
@@ -126,19 +132,20 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
         for mode in MODES:
             run = f"{rep}-{mode}"
             durable = os.path.join(opts["work"], f"durable-{run}")
-            if opts["durable"] == "s3" and mode == "tiers":
+            if opts["durable"] == "s3" and mode in ("tiers", "lazy"):
                 durable = f"s3://{BUCKET}/{opts['id']}/durable-{run}"
             times, copies = [], []
             mgr = None
-            if mode == "tiers":
+            if mode in ("tiers", "lazy"):
                 mgr = lc.CheckpointManager(durable, local=local.format(run=run), persist_every=10, keep_last=2)
-            pending = None
+            pending = staged = None
             for step in range(1, opts["steps"] + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
-                train_step()
+                train_step(staged.wait_staged if staged is not None else None)
                 if mgr is not None:
-                    mgr.save(step, state(), layout)
+                    fut = mgr.save(step, state(), layout, lazy=mode == "lazy")
+                    staged = fut if mode == "lazy" else None
                     copies.append(mgr.tier_metrics().copy_seconds)
                 elif mode == "dcp":
                     if pending is not None:
@@ -163,7 +170,8 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                 # A step only the durable tier holds (the fast tier keeps the last two).
                 with lc.CheckpointManager(durable) as plain:
                     persisted = min(plain.steps())
-                restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist, state))
+                if mode == "tiers":  # the lazy mode's checkpoints are the same
+                    restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist, state))
                 mine = local.format(run=run).replace("{rank}", str(rank))
                 if opts["local"] == "memory":  # the held pieces stay for the process otherwise
                     from layoutckpt.storage._location import locate
@@ -174,7 +182,7 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
             dist.barrier()
             if rank == 0 and "://" not in durable:  # S3's objects go with its server
                 shutil.rmtree(durable, ignore_errors=True)
-                if mode == "tiers" and opts["local"] != "memory":  # the folder of the ranks' folders
+                if mgr is not None and opts["local"] != "memory":  # the folder of the ranks' folders
                     shutil.rmtree(os.path.dirname(local.format(run=run)), ignore_errors=True)
     out.put((rank, {"modes": results, "restore": restore, "state_bytes": _nbytes(state())}))
     dist.destroy_process_group()

@@ -135,3 +135,37 @@ def test_only_selects_or_refuses(only, tmp_path):
     chosen = bench.select(only)
     # lc's partial reads, the raw limits beside them, and the writes they read
     assert set(chosen) == {"lc_read_tensor", "lc_read_rows", "raw_read_tensor", "raw_read_rows", "lc_save", "raw_write"}
+
+
+def test_the_tiers_benchmark_runs_every_mode_and_restore(tmp_path):
+    """``tiers.py`` on a tiny model: 12 steps, so that step 10 is persisted and then retired
+    from the fast tier (which keeps 2), and the durable restore reads the durable tier."""
+    out = tmp_path / "tiers.json"
+    small = ["--dim", "32", "--layers", "1", "--vocab", "64", "--batch", "2", "--seq", "8", "--steps", "12"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "tiers.py"),
+            "--repeats",
+            "1",
+            *small,
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert list(summary["rows"]) == ["none", "tiers", "lazy", "dcp"]
+    assert all(row["step_s"] > 0 and row["mean_s"] > 0 for row in summary["rows"].values())
+    assert summary["rows"]["tiers"]["copy_s"] > 0 and summary["rows"]["lazy"]["copy_s"] > 0
+    for kind in ("fresh", "inplace"):
+        r = summary["restore"][kind]
+        assert r["fast_s"] > 0 and r["durable_s"] > 0 and r["cold_s"] > 0
