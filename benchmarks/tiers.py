@@ -1,7 +1,7 @@
 """Multi-tier checkpoints in a training loop: what a checkpoint every step costs the step.
 
     .venv/bin/python benchmarks/tiers.py [--ranks 2] [--dim 512] [--layers 4] [--steps 20]
-        [--repeats 3] [--local memory] [--durable dir] [--dir /tmp] [--json out.json]
+        [--repeats 3] [--local memory] [--durable dir] [--dir /tmp] [--device cpu] [--json out.json]
 
 N local gloo ranks train a small Llama-like model data-parallel (gradients all-reduced, AdamW),
 and time every step in four modes, alternated repeat by repeat in one run so that the
@@ -30,8 +30,13 @@ arrays (``mgr.load(layout)``: the new memory's page faults are paid whichever ti
 into the live model and optimizer (``like=state, inplace=True``, as a job restoring into the model
 it built), and reports the times and their ratios. A directory durable tier is read twice: as it
 is (the page cache still holds the persisted files) and after they are dropped from the page
-cache (``cold``), as a restart that finds them only on disk. There is no GPU here: the copy runs on the
-caller's thread on the CPU.
+cache (``cold``), as a restart that finds them only on disk.
+
+With ``--device cuda`` (one GPU per rank; gradients all-reduced by NCCL) the model trains on the
+GPU, each step ends when the caller's stream has run its kernels, and the copy goes to pinned
+host buffers on a side stream: in ``lazy`` it overlaps the next step's forward and backward.
+Size the model so that the copy fits in a step (e.g. ``--dim 1024 --layers 8 --vocab 32000
+--batch 8 --seq 1024``). Without it the copy runs on the CPU's cores, beside the step.
 """
 
 from __future__ import annotations
@@ -98,16 +103,23 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
     import layoutckpt as lc
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"file://{opts['work']}/init", rank=rank, world_size=world)
+    cuda = opts["device"] == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{opts['work']}/init", rank=rank, world_size=world)
     # DCP's async_save runs its collectives on a thread: on the training loop's group they would
     # interleave with the gradient all-reduces, so it gets a group of its own.
     dcp_group = dist.new_group(backend="gloo")
-    model = _model(opts["dim"], opts["layers"], opts["vocab"])
+    model = _model(opts["dim"], opts["layers"], opts["vocab"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     layout = lc.Layout.replicated(lc.Mesh({"dp": world}))  # data-parallel: every rank holds it all
     tokens = torch.randint(
         0, opts["vocab"], (opts["batch"], opts["seq"]), generator=torch.Generator().manual_seed(rank)
-    )
+    ).to(device)
+    # A step ends when its kernels have run: the caller's stream only, not a lazy copy's.
+    done = torch.cuda.current_stream(device).synchronize if cuda else (lambda: None)
 
     def train_step(before_update: Any = None) -> None:
         loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
@@ -123,18 +135,18 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
         return {"model": model.state_dict(), "optim": opt.state_dict()}
 
     train_step()  # the optimizer's moments exist from here on
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in opts["modes"]}
     local = {"memory": "memory://bench-{run}/{{rank}}", "shm": "/dev/shm/lc-bench-{run}/{{rank}}"}.get(
         opts["local"], os.path.join(opts["work"], "local-{run}", "{{rank}}")
     )
     restore: list[dict[str, float]] = []
     for rep in range(opts["repeats"]):
-        for mode in MODES:
+        for mode in opts["modes"]:
             run = f"{rep}-{mode}"
             durable = os.path.join(opts["work"], f"durable-{run}")
             if opts["durable"] == "s3" and mode in ("tiers", "lazy"):
                 durable = f"s3://{BUCKET}/{opts['id']}/durable-{run}"
-            times, copies = [], []
+            times, copies, calls = [], [], []
             mgr = None
             if mode in ("tiers", "lazy"):
                 mgr = lc.CheckpointManager(durable, local=local.format(run=run), persist_every=10, keep_last=2)
@@ -143,10 +155,12 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                 dist.barrier()
                 t0 = time.perf_counter()
                 train_step(staged.wait_staged if staged is not None else None)
+                done()
                 if mgr is not None:
                     fut = mgr.save(step, state(), layout, lazy=mode == "lazy")
                     staged = fut if mode == "lazy" else None
                     copies.append(mgr.tier_metrics().copy_seconds)
+                    calls.append(mgr.tier_metrics().blocked_seconds)
                 elif mode == "dcp":
                     if pending is not None:
                         pending.result()
@@ -162,6 +176,8 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                     "step": statistics.median(times[skip:]),
                     "mean": statistics.mean(times[skip:]),
                     "copy": statistics.median(copies[skip:]) if copies else 0.0,
+                    "call": statistics.median(calls[skip:]) if calls else 0.0,
+                    "slowest": max(times[skip:]),
                 }
             )
             if mgr is not None:
@@ -171,7 +187,7 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                 with lc.CheckpointManager(durable) as plain:
                     persisted = min(plain.steps())
                 if mode == "tiers":  # the lazy mode's checkpoints are the same
-                    restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist, state))
+                    restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist, state, done))
                 mine = local.format(run=run).replace("{rank}", str(rank))
                 if opts["local"] == "memory":  # the held pieces stay for the process otherwise
                     from layoutckpt.storage._location import locate
@@ -188,7 +204,9 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
     dist.destroy_process_group()
 
 
-def _restore(lc: Any, durable: str, local: str, layout: Any, persisted: int, dist: Any, state: Any) -> dict[str, float]:
+def _restore(
+    lc: Any, durable: str, local: str, layout: Any, persisted: int, dist: Any, state: Any, done: Any
+) -> dict[str, float]:
     """Seconds of each restore: ``fast`` (the newest step, from the fast tier) and ``durable``
     (a step only the durable tier holds), each into fresh arrays and in place."""
     times = {}
@@ -204,6 +222,7 @@ def _restore(lc: Any, durable: str, local: str, layout: Any, persisted: int, dis
                 dist.barrier()
                 t0 = time.perf_counter()
                 out = mgr.load(layout, step=step, **into)
+                done()
                 times[f"{tier}_{restore}"] = time.perf_counter() - t0
                 assert mgr.tier_metrics().restored_from == source
                 del out  # freed before the next restore allocates
@@ -223,17 +242,21 @@ def _nbytes(state: Any) -> int:
 def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     repeats = len(per_rank[0]["modes"]["none"])
     rows = {}
-    for mode in MODES:
-        step, mean, copy = (
-            [max(r["modes"][mode][i][k] for r in per_rank) for i in range(repeats)] for k in ("step", "mean", "copy")
+    modes = list(per_rank[0]["modes"])
+    for mode in modes:
+        step, mean, copy, call, slowest = (
+            [max(r["modes"][mode][i][k] for r in per_rank) for i in range(repeats)]
+            for k in ("step", "mean", "copy", "call", "slowest")
         )
         rows[mode] = {
             "step_s": statistics.median(step),
             "mean_s": statistics.median(mean),
             "copy_s": statistics.median(copy),
+            "call_s": statistics.median(call),
+            "slowest_s": statistics.median(slowest),
             "spread": [min(step), max(step)],
         }
-    for mode in MODES:
+    for mode in modes:
         rows[mode]["vs_none"] = rows[mode]["step_s"] / rows["none"]["step_s"]
         rows[mode]["mean_vs_none"] = rows[mode]["mean_s"] / rows["none"]["mean_s"]
     restore = {}
@@ -267,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--local", choices=("memory", "shm", "disk"), default="memory")
     ap.add_argument("--durable", choices=("dir", "s3"), default="dir")
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES), help="none,tiers,lazy,dcp")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:
@@ -314,16 +339,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 def _print(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     print(
         f"{args.ranks} ranks, {summary['state_mb_per_rank']:.1f} MiB of model+optimizer per rank, "
-        f"local tier {args.local}, durable tier {args.durable}"
+        f"local tier {args.local}, durable tier {args.durable}, device {args.device}"
     )
     print(
-        f"{'mode':8} {'step (s)':>10} {'vs none':>8} {'mean (s)':>10} {'vs none':>8} {'copy (s)':>10}  "
+        f"{'mode':8} {'step (s)':>10} {'vs none':>8} {'mean (s)':>10} {'vs none':>8} {'copy (s)':>10} "
+        f"{'call (s)':>10} {'slowest':>10}  "
         f"median's spread over {args.repeats} repeats"
     )
     for mode, row in summary["rows"].items():
         print(
             f"{mode:8} {row['step_s']:10.4f} {row['vs_none']:8.3f} {row['mean_s']:10.4f} {row['mean_vs_none']:8.3f} "
-            f"{row['copy_s']:10.4f}  {row['spread'][0]:.4f}-{row['spread'][1]:.4f}"
+            f"{row['copy_s']:10.4f} {row['call_s']:10.4f} {row['slowest_s']:10.4f}  "
+            f"{row['spread'][0]:.4f}-{row['spread'][1]:.4f}"
         )
     for kind, r in summary["restore"].items():
         print(

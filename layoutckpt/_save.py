@@ -437,7 +437,7 @@ def _run_in_background(
     """``save_async``: stage (here, or on a thread with ``lazy``) while a thread writes and commits.
     A ``private`` state is its own staging: a second copy would only take memory and cores."""
     fut = SaveFuture(job.final.url)
-    stream = side_stream(items)
+    stream = side_stream(s.source for s in items)
     if stream is not None:
         fut._wait_staged_hook = stream.synchronize
     returned = threading.Event()  # the result reports how long this call blocked

@@ -19,7 +19,7 @@ from .. import _rankstate
 from ..format._hierarchy import check_user_metadata
 from ..layout._tree import flatten, is_array_leaf
 from ..torch._dtensor import is_dtensor
-from ..torch._staging import HostBuffers
+from ..torch._staging import HostBuffers, side_stream
 from ..torch._torch import is_tensor, torch
 from ._local import Piece, leaf_meta, piece_meta
 
@@ -37,6 +37,7 @@ class Staging:
     copies: list[tuple[Any, Any]]  # (host destination, source)
     buffers: list[Any]
     pool: HostBuffers
+    stream: Any = None  # the CUDA side stream of the device copies, ordered at the save
     holds: int = 1
     event: Any = None  # a CUDA event: the device copies are done once it has passed
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
@@ -73,8 +74,7 @@ class Staging:
                 self._copy_device(device)
 
     def _copy_device(self, device: list[tuple[Any, Any]]) -> None:
-        stream = torch.cuda.Stream(device=device[0][1].device)
-        stream.wait_stream(torch.cuda.current_stream(device[0][1].device))
+        stream = self.stream
         with torch.cuda.stream(stream):
             torch._foreach_copy_([d for d, _ in device], [s for _, s in device], non_blocking=True)
             self.event = torch.cuda.Event()
@@ -143,7 +143,9 @@ def stage(
     piece = Piece(
         piece_meta(metas, structure, step, dict(metadata or {}), info, rank_doc is not None), arrays, rank_doc
     )
-    return Staging(piece, {**leaves, **arrays}, structure, dtensors, copies, buffers, pool)
+    # Ordered here, on the caller's thread: a lazy copy then overlaps the next step's kernels.
+    stream = side_stream(sources.values()) if cuda else None
+    return Staging(piece, {**leaves, **arrays}, structure, dtensors, copies, buffers, pool, stream)
 
 
 def _buffer(src: Any, pool: HostBuffers, held: list[Any]) -> Any:

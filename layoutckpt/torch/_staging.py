@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -236,12 +237,15 @@ class Staged:
             self._pool.release(buf)
 
 
-def side_stream(items: list[Staged]) -> Any:
-    """A CUDA stream for the device-to-host copies, ordered after the caller's pending kernels.
+def side_stream(sources: Iterable[Any]) -> Any:
+    """A CUDA stream for copying ``sources`` to the host, ordered after the caller's pending
+    kernels, or None where none is on a CUDA device.
 
-    Made on the caller's thread: the current device and stream are per thread in CUDA.
+    Made on the caller's thread, at the save: the current stream is per thread in CUDA, and a
+    stream ordered later (on a staging thread) would also wait for the kernels the caller queues
+    after the save, such as the next step's forward, which the copy is meant to overlap.
     """
-    devices = {s.source.device for s in items if is_tensor(s.source) and s.source.device.type == "cuda"}
+    devices = {s.device for s in sources if is_tensor(s) and s.device.type == "cuda"}
     if not devices:
         return None
     if len(devices) > 1:

@@ -1,9 +1,12 @@
-"""CUDA staging: device-to-host copies into pinned buffers on a side stream.
+"""CUDA staging: device-to-host copies into pinned buffers on a side stream, for ``save_async``
+and for a manager's fast tier.
 
 These need a GPU and skip without one (CI has none); the CPU paths are covered everywhere else.
 """
 
 from __future__ import annotations
+
+import uuid
 
 import pytest
 import torch
@@ -58,3 +61,55 @@ def test_cuda_template_load_lands_on_the_device(tmp_path):
     for k, v in state.items():
         assert out[k].device == v.device
         assert torch.equal(out[k], v), k
+
+
+def _lazy_save(kind: str, tmp_path, state: dict) -> tuple[object, object]:
+    """A lazy save of ``state`` by ``save_async`` or by a manager with a memory fast tier; the
+    future and what to close."""
+    if kind == "save_async":
+        return lc.save_async(tmp_path / "ck", state, lc.Layout.replicated(), lazy=True), None
+    mgr = lc.CheckpointManager(tmp_path / "d", local=f"memory://{uuid.uuid4().hex}/{{rank}}", persist_every=1)
+    return mgr.save(1, state, lc.Layout.replicated(), lazy=True), mgr
+
+
+@pytest.mark.parametrize("kind", ["save_async", "manager"])
+def test_lazy_copy_overlaps_kernels_queued_after_the_save(tmp_path, kind):
+    """The side stream is ordered after the kernels queued before the save, not after those the
+    caller queues next (the next step's forward and backward, which the copy overlaps)."""
+    state = _state()
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    fut, mgr = _lazy_save(kind, tmp_path, state)
+    torch.cuda._sleep(4_000_000_000)  # about 2 s of the GPU's time on the caller's stream
+    fut.wait_staged()
+    assert not torch.cuda.current_stream().query(), "the copy waited for the kernel queued after the save"
+    torch.cuda.synchronize()
+    for t in state.values():
+        t.add_(1)
+    fut.result()
+    out = mgr.load(lc.Layout.replicated()) if mgr is not None else lc.load(tmp_path / "ck")
+    for k, v in expected.items():
+        assert torch.equal(out[k], v), k
+    if mgr is not None:
+        mgr.close()
+
+
+def test_cuda_state_in_tiers_restores_bit_exact_from_each_tier(tmp_path):
+    state = _state()
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    layout = lc.Layout.replicated()
+    local = f"memory://{uuid.uuid4().hex}/{{rank}}"
+    with lc.CheckpointManager(tmp_path / "d", local=local, persist_every=1) as mgr:
+        mgr.save(1, state, layout, lazy=True).wait_staged()
+        for t in state.values():
+            t.add_(1)  # the optimizer step, once the copy is done
+        mgr.wait()
+        assert mgr.tier_metrics().persists_committed == 1
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        out = mgr.load(layout, like=into, inplace=True)
+        assert mgr.tier_metrics().restored_from == "local"
+        for k, v in expected.items():
+            assert out[k].device.type == "cuda" and out[k].data_ptr() == into[k].data_ptr()
+            assert torch.equal(out[k].cpu(), v), k
+    durable = lc.load(tmp_path / "d" / "step_00000001")
+    for k, v in expected.items():
+        assert torch.equal(durable[k], v), k
