@@ -723,12 +723,13 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
     """Start every write as soon as its box is staged, write this rank's share of the Zarr
     documents meanwhile, then make it all durable; a written buffer goes back at once. Which
     writer writes a box is the location's choice (``Location.box_writer``)."""
-    _faults.point("save.write", url=job.final.url)
-    if job.meta.packed:
-        writer: BoxWriter = _packs.PackWriter(job.tmp, rank, job.options.io, job.in_flight)
-    else:
-        writer = job.tmp.box_writer(job.options.io, job.in_flight)
+    writer: BoxWriter | None = None
     try:
+        _faults.point("save.write", url=job.final.url)
+        if job.meta.packed:
+            writer = _packs.PackWriter(job.tmp, rank, job.options.io, job.in_flight)
+        else:
+            writer = job.tmp.box_writer(job.options.io, job.in_flight)
         for (name, box), item in zip(job.mine, items):
             writer.write(job.meta.arrays[name], box, item)
         writer.write_documents(hierarchy.documents(job.meta, rank, world))
@@ -737,11 +738,13 @@ def _write(job: _Job, items: list[Staged], rank: int, world: int) -> int:
         written = writer.join()
         # Durable before this rank reports success: the marker may follow at once.
         job.tmp.make_durable()
+        return written
     finally:
         # A writer thread may wait for an item the save will never stage: it fails instead.
+        # Every buffer goes back, also where the writer could not even be made.
         for item in items:
             item.fail(SaveError("the save stopped before this shard was written"))
-        writer.close()
+        if writer is not None:
+            writer.close()
         for item in items:
             item.release()
-    return written

@@ -467,6 +467,25 @@ def test_a_failed_save_gives_its_staging_buffers_back(ranks, tmp_path):
     assert used == [0, 0, 0, 0], f"bytes of staging buffers still in use after the failed save, by rank: {used}"
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_write_that_fails_at_once_gives_the_staging_buffers_back(tmp_path, lazy):
+    # Regression: a failure before the writer was made (a full disk refusing the first file)
+    # skipped the release, and a later save with a budget could wait forever for the buffers.
+    pool = _staging.pool(pinned=False, budget=None)
+    used = pool._used_bytes
+    state = {f"x{i}": torch.arange(256, dtype=torch.float32) + i for i in range(8)}
+
+    def disk_full(**_):
+        raise OSError(28, "No space left on device")
+
+    with _faults.hooks({"save.write": disk_full}):
+        fut = lc.save_async(tmp_path / "ck", state, lc.Layout.replicated(), lazy=lazy)
+        with pytest.raises(lc.SaveError, match="No space left on device"):
+            fut.result()
+    assert pool._used_bytes == used
+    assert not (tmp_path / "ck").exists()
+
+
 # --- load_async ---------------------------------------------------------------------------------
 
 
