@@ -11,6 +11,7 @@ import functools
 import itertools
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -32,14 +33,8 @@ MAX_PATH_BYTES = 2048
 def is_array_leaf(x: object) -> bool:
     if isinstance(x, np.ndarray | np.generic):
         return True
-    torch = _torch()
+    torch = sys.modules.get("torch")  # a tensor cannot exist before torch is imported
     return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _torch() -> Any:
-    import sys
-
-    return sys.modules.get("torch")
 
 
 @functools.lru_cache(maxsize=65536)  # the same names, save after save

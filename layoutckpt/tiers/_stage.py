@@ -1,7 +1,8 @@
 """Copy a rank's state into host buffers that become the fast tier's piece of one step.
 
 The copy is all the training loop waits for (or, with ``lazy``, all that ``wait_staged`` waits
-for). Buffers come from the tier's own pool and go back once the piece is written (a memory
+for). The call checks the state and describes the piece; taking the buffers is part of the copy,
+so a lazy save's call leaves that per-array work to the staging thread. Buffers come from the tier's own pool and go back once the piece is written (a memory
 tier keeps them as the piece itself: once it is retired), replicated and persisted, so a loop
 that checkpoints every step allocates nothing after the first steps.
 """
@@ -30,14 +31,14 @@ class Staging:
     buffers (the tier's writer, the piece a memory tier keeps, a persist), which go back to the
     pool when it reaches 0."""
 
-    piece: Piece
-    leaves: dict[str, Any]  # the state's leaves: JSON values as given, arrays as host copies
+    piece: Piece  # its arrays are filled by ``copy``
+    leaves: dict[str, Any]  # the state's leaves: JSON values as given, arrays (once copied) as host copies
     structure: Any
     dtensors: dict[str, Any]  # name -> the DTensor whose local shard the piece holds
-    copies: list[tuple[Any, Any]]  # (host destination, source)
-    buffers: list[Any]
+    sources: dict[str, Any]  # name -> the array to copy, until ``copy``
     pool: HostBuffers
     stream: Any = None  # the CUDA side stream of the device copies, ordered at the save
+    buffers: list[Any] = attrs.field(factory=list)
     holds: int = 1
     event: Any = None  # a CUDA event: the device copies are done once it has passed
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
@@ -54,15 +55,19 @@ class Staging:
             self.pool.release(buf)
 
     def copy(self) -> None:
-        """Copy every source into its buffer (device sources on a side stream)."""
+        """Take a buffer for every source from the pool and copy the source into it (device
+        sources on the side stream)."""
         host: list[tuple[Any, Any]] = []
         device: list[tuple[Any, Any]] = []
-        for d, s in self.copies:
+        arrays = self.piece.arrays
+        for name, s in self.sources.items():
+            d = arrays[name] = _buffer(s, self.pool, self.buffers)
             if not is_tensor(s):
                 np.copyto(d, s, casting="no")
             else:
                 (host if s.device.type == "cpu" else device).append((d, s))
-        self.copies = []  # the live tensors are not kept alive by the piece
+        # The live tensors are not kept alive by the piece.
+        self.sources, self.leaves = {}, {**self.leaves, **arrays}
         if not host and not device:
             return  # torch may not even be installed
         # No autograd (not a detach per tensor: with thousands of leaves that is a cost of its own).
@@ -114,8 +119,8 @@ def stage(
     rank_state: Any,
     info: dict[str, Any],
 ) -> Staging:
-    """Check ``state`` and take a buffer for each array; ``Staging.copy`` fills them. Bad input
-    (a leaf that cannot be stored, metadata that is not JSON) raises here."""
+    """Check ``state`` and describe its piece; ``Staging.copy`` copies it. Bad input (a leaf
+    that cannot be stored, metadata that is not JSON) raises here."""
     check_user_metadata(metadata)
     structure, leaves = flatten(state)
     rank_doc = _rankstate.document(rank_state, 0, 1) if rank_state is not None else None
@@ -135,17 +140,11 @@ def stage(
             sources[name] = a.astype(a.dtype.newbyteorder("="))
     # One pool per save: pinned host memory where the state is on a device.
     pool = pool_of(cuda)
-    metas, arrays, buffers = {}, {}, []
-    for name, src in sources.items():
-        metas[name] = leaf_meta(name, src if is_tensor(src) else leaves[name])
-        arrays[name] = _buffer(src, pool, buffers)
-    copies = [(arrays[name], src) for name, src in sources.items()]
-    piece = Piece(
-        piece_meta(metas, structure, step, dict(metadata or {}), info, rank_doc is not None), arrays, rank_doc
-    )
+    metas = {name: leaf_meta(name, src if is_tensor(src) else leaves[name]) for name, src in sources.items()}
+    piece = Piece(piece_meta(metas, structure, step, dict(metadata or {}), info, rank_doc is not None), {}, rank_doc)
     # Ordered here, on the caller's thread: a lazy copy then overlaps the next step's kernels.
     stream = side_stream(sources.values()) if cuda else None
-    return Staging(piece, {**leaves, **arrays}, structure, dtensors, copies, buffers, pool, stream)
+    return Staging(piece, leaves, structure, dtensors, sources, pool, stream)
 
 
 def _buffer(src: Any, pool: HostBuffers, held: list[Any]) -> Any:

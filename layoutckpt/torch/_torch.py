@@ -23,7 +23,9 @@ class _Lazy:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        return getattr(importlib.import_module(self._name), attr)
+        # sys.modules first: a save looks up torch's attributes for every tensor it holds.
+        module = sys.modules.get(self._name) or importlib.import_module(self._name)
+        return getattr(module, attr)
 
     def __repr__(self) -> str:
         return f"<lazy module {self._name!r}>"
