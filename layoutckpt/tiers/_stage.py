@@ -2,9 +2,10 @@
 
 The copy is all the training loop waits for (or, with ``lazy``, all that ``wait_staged`` waits
 for). The call checks the state and describes the piece; taking the buffers is part of the copy,
-so a lazy save's call leaves that per-array work to the staging thread. Buffers come from the tier's own pool and go back once the piece is written (a memory
-tier keeps them as the piece itself: once it is retired), replicated and persisted, so a loop
-that checkpoints every step allocates nothing after the first steps.
+so a lazy save's call leaves that per-array work to the staging thread. Buffers come from the
+tier's own pool and go back once the piece is written (a memory tier keeps them as the piece
+itself: once it is retired), replicated and persisted, so a loop that checkpoints every step
+allocates nothing after the first steps.
 """
 
 from __future__ import annotations
