@@ -1,7 +1,8 @@
 """Multi-tier checkpoints in a training loop: what a checkpoint every step costs the step.
 
     .venv/bin/python benchmarks/tiers.py [--ranks 2] [--dim 512] [--layers 4] [--steps 20]
-        [--repeats 3] [--local memory] [--durable dir] [--dir /tmp] [--device cpu] [--json out.json]
+        [--warmup 3] [--repeats 3] [--local memory] [--durable dir] [--dir /tmp] [--device cpu]
+        [--modes none,tiers,lazy,dcp] [--json out.json]
 
 N local gloo ranks train a small Llama-like model data-parallel (gradients all-reduced, AdamW),
 and time every step in four modes, alternated repeat by repeat in one run so that the
