@@ -38,6 +38,7 @@ from .layout._views import Cut, Fused, Padded, part_name
 from .storage import _store
 from .storage._location import locate
 from .storage._packs import arrays_of
+from .storage._readers import BoxReader, Lease
 from .torch._dist import check_mesh, comm_for
 from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from .torch._torch import installed, is_tensor
@@ -119,11 +120,11 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     comm = comm_for(options.group)
     plan = _plan_load(root.url, meta, layout, options, comm)
     reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
-    requests, filled = plan.requests(meta)
-    reads = BackgroundReads(reader, requests, options.io)
+    wanted = plan.requests(meta, reader)
+    reads = BackgroundReads(reader, wanted.reads, options.io)
     phases.since("plan", t0)
     fut: LoadFuture[Any] = LoadFuture(
-        lambda: _finish(plan, meta, reads, filled, root.url, comm, phases, t0, fut), reads
+        lambda: _finish(plan, meta, reads, wanted, root.url, comm, phases, t0, fut), reads
     )
     return fut
 
@@ -144,6 +145,16 @@ class Composite:
 
 
 @attrs.frozen
+class _Requests:
+    """A load's reads, the template leaves they fill in place (``filled``), and the boxes its
+    reader lends instead (``lent``: copied to the device straight from the reader's memory)."""
+
+    reads: list[BoxRead]
+    filled: frozenset[str]
+    lent: dict[Target, Lease]
+
+
+@attrs.frozen
 class _LoadPlan:
     """What this rank loads: the tree to build, the template's leaves, and every read."""
 
@@ -155,8 +166,9 @@ class _LoadPlan:
     options: LoadOptions
     composites: dict[str, Composite] = attrs.field(factory=dict)
 
-    def requests(self, meta: CheckpointMeta) -> tuple[list[BoxRead], frozenset[str]]:
+    def requests(self, meta: CheckpointMeta, reader: BoxReader) -> _Requests:
         """Every read, and the template leaves that the reads fill in place (``destinations``)."""
+        lent = self.lent(meta, reader)
         boxes = list(self.targets.values()) + [key for _, _, parts in self.flats.values() for key, *_ in parts]
         boxes += [key for c in self.composites.values() for key, _ in c.parts]
         direct = self.destinations(meta)
@@ -164,9 +176,26 @@ class _LoadPlan:
         reads = [
             BoxRead(stored, meta.arrays[stored], box, out=outs.get((stored, box)), key=(stored, box))
             for stored, box in dict.fromkeys(boxes)
-            if _plan.box_size(box) > 0
+            if _plan.box_size(box) > 0 and (stored, box) not in lent
         ]
-        return reads, frozenset(name for name, _ in direct.values())
+        return _Requests(reads, frozenset(name for name, _ in direct.values()), lent)
+
+    def lent(self, meta: CheckpointMeta, reader: BoxReader) -> dict[Target, Lease]:
+        """The boxes that go only to template leaves off the host (a GPU) and that the reader
+        holds in host memory already (a memory tier): each is copied to its device straight
+        from there, with no read into a buffer first (on a GPU, from the pinned buffer the
+        save staged it in, at the link's speed)."""
+        # A box also read for a leaf on the host, or for a flat buffer or a fused tensor, is read.
+        read = {key for name, key in self.targets.items() if not _off_host(self.template.get(name))}
+        read |= {key for _, _, parts in self.flats.values() for key, *_ in parts}
+        read |= {key for c in self.composites.values() for key, _ in c.parts}
+        out = {}
+        for key in self.targets.values():
+            if key not in read and key not in out and _plan.box_size(key[1]) > 0:
+                lease = reader.lend(key[0], meta.arrays[key[0]], key[1])
+                if lease is not None:
+                    out[key] = lease
+        return out
 
     def destinations(self, meta: CheckpointMeta) -> dict[Target, tuple[str, np.ndarray]]:
         """With ``inplace``, each box read straight into its template tensor's own memory (the
@@ -358,7 +387,7 @@ def _finish(
     plan: _LoadPlan,
     meta: CheckpointMeta,
     reads: BackgroundReads,
-    filled: frozenset[str],
+    wanted: _Requests,
     where: str,
     comm: Any,
     phases: Phases,
@@ -369,7 +398,8 @@ def _finish(
     reads.join()
     phases.add("read", reads.seconds)
     start = time.perf_counter()
-    out = unflatten(plan.structure, _Builder(plan, meta, reads, filled).leaf, plan.keep)
+    out = unflatten(plan.structure, _Builder(plan, meta, reads, wanted).leaf, plan.keep)
+    _settle(wanted.lent, plan)
     phases.since("place", start)
     flight = reads.in_flight
     arrays = len(
@@ -382,7 +412,7 @@ def _finish(
             comm.rank,
             comm.world,
             phases.items(LOAD_PHASES),
-            reads.bytes,
+            reads.bytes + sum(lease.data.nbytes for lease in wanted.lent.values()),
             arrays,
             flight.issued,
             flight.most,
@@ -397,9 +427,10 @@ class _Builder:
     """Turns the arrays read into the leaves of the result: tensors or NumPy arrays, on the
     template's devices, as DTensors where the template holds them, or copied into it."""
 
-    def __init__(self, plan: _LoadPlan, meta: CheckpointMeta, reads: BackgroundReads, filled: frozenset[str]) -> None:
+    def __init__(self, plan: _LoadPlan, meta: CheckpointMeta, reads: BackgroundReads, wanted: _Requests) -> None:
         self.plan, self.meta, self.reads = plan, meta, reads
-        self.filled = filled  # template leaves the reads filled in place: nothing left to do
+        self.filled = wanted.filled  # template leaves the reads filled in place: nothing left to do
+        self.lent = wanted.lent
         self.stored_leaves = meta.leaves
         self.built: dict[Target, Any] = {}
 
@@ -419,14 +450,16 @@ class _Builder:
             return data.to(local_device(target)) if is_tensor(data) else data
         if name not in plan.targets:
             return decode_value(self.stored_leaves[name]) if name in self.stored_leaves else node
-        if plan.options.inplace and target is not None:
-            return target if name in self.filled else _fill(target, self.shard(name))
         key = plan.targets[name]
+        # A lent box is copied without waiting; ``_settle`` waits for every such copy at the end.
+        lent = key in self.lent
+        if plan.options.inplace and target is not None:
+            return target if name in self.filled else _fill(target, self.shard(name), non_blocking=lent)
         if key not in self.built:
             # One object per stored array and box: names tied at save time stay tied.
             t = self.shard(name)
             if target is not None and is_tensor(t):
-                t = t.to(local_device(target))
+                t = t.to(local_device(target), non_blocking=lent)
                 if is_dtensor(target):
                     t = from_local(t, target, self.meta.arrays[key[0]].shape)
             self.built[key] = t
@@ -435,9 +468,12 @@ class _Builder:
     def shard(self, name: str) -> Any:
         stored, box = key = self.plan.targets[name]
         a = self.meta.arrays[stored]
-        data = (
-            self.reads.result(key) if _plan.box_size(box) > 0 else np.zeros(_plan.box_shape(box), numpy_dtype(a.dtype))
-        )
+        if key in self.lent:
+            data = self.lent[key].data
+        elif _plan.box_size(box) > 0:
+            data = self.reads.result(key)
+        else:
+            data = np.zeros(_plan.box_shape(box), numpy_dtype(a.dtype))
         kind = a.kind
         target = self.plan.template.get(name)
         if target is not None:
@@ -480,7 +516,7 @@ def _as_tensor(data: np.ndarray, dtype: str) -> Any:
     return from_numpy(data, dtype)
 
 
-def _fill(target: Any, data: Any) -> Any:
+def _fill(target: Any, data: Any, *, non_blocking: bool = False) -> Any:
     """Copy ``data`` into the template leaf ``target`` (its local shard for a DTensor); return it.
     Data read straight into the leaf's own memory (``_LoadPlan.destinations``) is not copied."""
     local = target.to_local() if is_dtensor(target) else target
@@ -489,8 +525,28 @@ def _fill(target: Any, data: Any) -> Any:
     if isinstance(local, np.ndarray):
         local[...] = data
     else:
-        local.copy_(data)
+        local.copy_(data, non_blocking=non_blocking)
     return target
+
+
+def _off_host(target: Any) -> bool:
+    """Whether the template leaf ``target`` is a tensor whose data goes to a device (a GPU)."""
+    return target is not None and is_tensor(target) and local_device(target).type != "cpu"
+
+
+def _settle(lent: dict[Target, Lease], plan: _LoadPlan) -> None:
+    """Wait for the copies out of lent boxes, then check that the reader's memory stayed theirs
+    throughout: ``IntegrityError`` names the array otherwise."""
+    if not lent:
+        return
+    from .torch._torch import torch
+
+    keys = set(lent)
+    for device in {local_device(t) for n, t in plan.template.items() if plan.targets.get(n) in keys}:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    for lease in lent.values():
+        lease.check()
 
 
 def _own_memory(target: Any, dtype: str) -> np.ndarray | None:

@@ -11,7 +11,9 @@ reports damage as ``IntegrityError`` naming the array. The same pieces are what 
 Readers whose reads block (a local checkpoint's shard files) run on ``IOConfig.threads`` threads
 (``read_streams`` for a streamed single read); TensorStore's reads are asynchronous and need none.
 A request that is one piece in all is read on the caller's thread: a small partial read pays for
-no hand-off.
+no hand-off. The one box not read here is one that goes to a GPU and that its reader already
+holds in host memory (a memory tier's pinned buffers, ``BoxReader.lend``): ``load`` copies it
+to the device from there.
 """
 
 from __future__ import annotations

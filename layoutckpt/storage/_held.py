@@ -36,7 +36,7 @@ from ..format._dtypes import numpy_dtype
 from ..layout._plan import Box, box_shape, row_pieces
 from . import _os, _store
 from ._location import MARKER, MAX_DOCUMENT_BYTES, PENDING, MarkerCommit
-from ._readers import BoxReader
+from ._readers import BoxReader, Lease
 from ._writers import BoxWriter, Source
 
 if TYPE_CHECKING:
@@ -365,6 +365,19 @@ class HeldReader(BoxReader):
         if not held.alive:  # retired while we copied: a later save may have overwritten it
             raise self._damaged(name, missing=True, detail="the piece was retired while it was being read")
         return out.nbytes
+
+    def lend(self, name: str, meta: ArrayMeta, box: Box) -> Lease | None:
+        """The held array's box itself: a GPU copies it straight from the pinned buffer a save
+        staged it in, with no copy into a buffer of the read's own."""
+        held = self.location.array(meta)
+        if held is None or held.data.shape != tuple(meta.shape) or held.data.dtype != numpy_dtype(meta.dtype):
+            return None  # the read reports what is wrong
+
+        def check() -> None:
+            if not held.alive:
+                raise self._damaged(name, missing=True, detail="the piece was retired while it was being read")
+
+        return Lease(held.data[tuple(slice(a, b) for a, b in box)], check)
 
     def _damaged(self, name: str, *, missing: bool, detail: str) -> Exception:
         return _store.damaged(name, self.where, missing=missing, detail=detail)

@@ -42,6 +42,16 @@ class Pending(abc.ABC):
         """Stop the read if it has not started; a started one runs to its end."""
 
 
+@attrs.frozen(eq=False)
+class Lease:
+    """A box a reader lends (``BoxReader.lend``): ``data`` may be copied from until ``check()``,
+    called once every copy from it is done, which raises ``IntegrityError`` if the reader's
+    memory was reused meanwhile (what was copied cannot be trusted then)."""
+
+    data: np.ndarray
+    check: Any  # () -> None
+
+
 class BoxReader(abc.ABC):
     """Reads boxes of one checkpoint's arrays into destination arrays.
 
@@ -68,6 +78,11 @@ class BoxReader(abc.ABC):
     def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
         """Fill ``out`` with ``box`` of array ``meta`` (stored as ``name``); return the bytes read
         from storage. Damage raises ``IntegrityError`` naming the array."""
+
+    def lend(self, name: str, meta: ArrayMeta, box: Box) -> Lease | None:
+        """``box`` as host memory this reader already holds, for a caller that copies it
+        elsewhere (to a GPU) with no read into a buffer of its own; None where it holds none."""
+        return None
 
     def start(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> Pending:
         """``read`` put in flight; only for readers that do not block."""

@@ -113,3 +113,46 @@ def test_cuda_state_in_tiers_restores_bit_exact_from_each_tier(tmp_path):
     durable = lc.load(tmp_path / "d" / "step_00000001")
     for k, v in expected.items():
         assert torch.equal(durable[k], v), k
+
+
+def test_a_memory_tier_restores_onto_the_gpu_straight_from_its_pinned_buffers(tmp_path, monkeypatch):
+    """A held piece's arrays are the pinned buffers its save staged into: a restore onto the GPU
+    copies from them, in place or into new tensors, with no read into host memory between."""
+    from layoutckpt.storage._held import HeldReader
+
+    state = _state()
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    layout = lc.Layout.replicated()
+    with lc.CheckpointManager(tmp_path / "d", local=f"memory://{uuid.uuid4().hex}/{{rank}}") as mgr:
+        mgr.save(1, state, layout).result()
+
+        def no_read(*_args, **_kwargs):
+            raise AssertionError("a box lent for a device copy was read into host memory")
+
+        monkeypatch.setattr(HeldReader, "read", no_read)
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        out = mgr.load(layout, like=into, inplace=True)
+        fresh = mgr.load(layout, like=into)
+        assert mgr.tier_metrics().restored_from == "local"
+        for k, v in expected.items():
+            assert out[k].data_ptr() == into[k].data_ptr()
+            assert fresh[k].device.type == "cuda" and fresh[k].data_ptr() != into[k].data_ptr()
+            assert torch.equal(out[k].cpu(), v) and torch.equal(fresh[k].cpu(), v), k
+
+
+def test_a_piece_retired_during_a_restore_onto_the_gpu_fails_the_restore(tmp_path, monkeypatch):
+    from layoutckpt.storage._held import HeldReader
+
+    lend = HeldReader.lend
+
+    def lend_then_retire(self, name, meta, box):
+        lease = lend(self, name, meta, box)
+        self.location.array(meta).alive = False  # what a retirement racing the copy does
+        return lease
+
+    monkeypatch.setattr(HeldReader, "lend", lend_then_retire)
+    state = _state()
+    with lc.CheckpointManager(tmp_path / "d", local=f"memory://{uuid.uuid4().hex}/{{rank}}") as mgr:
+        mgr.save(1, state, lc.Layout.replicated()).result()
+        with pytest.raises(lc.IntegrityError, match="retired while it was being read"):
+            mgr.load(lc.Layout.replicated(), like=state, inplace=True)

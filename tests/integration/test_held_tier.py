@@ -19,7 +19,7 @@ import layoutckpt as lc
 from layoutckpt.base import _faults
 from layoutckpt.base._options import DEFAULT_IO
 from layoutckpt.engine._read import BoxRead, read_into
-from layoutckpt.storage import _held
+from layoutckpt.storage import _held, _store
 from layoutckpt.storage._location import KvPrefix, locate
 from layoutckpt.storage._readers import TensorStoreReader
 from tests.support.storage_suite import LocationTests
@@ -258,6 +258,22 @@ class TestHeldLocation(LocationTests):
         loc.root.delete(loc.prefix + "w")  # the array is gone, its documents remain
         with pytest.raises(lc.IntegrityError, match=r"array 'w' of checkpoint .* is damaged"):
             lc.open(url).read("w")
+
+    def test_the_box_reader_lends_held_memory_and_its_lease_fails_once_the_array_is_dropped(self):
+        url = self.new_url()
+        w = np.arange(64, dtype=np.int64).reshape(8, 8)
+        lc.save(url, {"w": w})
+        loc = locate(url)
+        meta = _store.read_meta(loc)
+        reader = loc.box_reader(url, True, lc.IOConfig())
+        lease = reader.lend("w", meta.arrays["w"], ((2, 5), (0, 8)))
+        assert np.shares_memory(lease.data, loc.array(meta.arrays["w"]).data)  # no copy
+        assert np.array_equal(lease.data, w[2:5])
+        lease.check()
+        loc.root.delete(loc.prefix + "w")  # retired while a device copy could still read it
+        with pytest.raises(lc.IntegrityError, match=r"array 'w' .* retired while it was being read"):
+            lease.check()
+        assert reader.lend("w", meta.arrays["w"], ((0, 8), (0, 8))) is None  # gone: the read reports it
 
     def test_the_box_writer_stores_whole_shards_and_parts_of_shards(self):
         """A whole array and the same array as two parts are held alike; a source that is not
