@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import numpy as np
@@ -45,25 +45,28 @@ if TYPE_CHECKING:
 SCHEME = "memory://"
 
 
+class Lender(Protocol):
+    def give_back(self, lent: Lent) -> None:
+        """``lent`` is released: the first call for it counts, later ones do nothing."""
+
+
 class Lent:
-    """A writer's source that a held location may keep without a copy: ``release`` runs once,
-    when the location drops the array (at once where a writer copies it elsewhere)."""
+    """A writer's source that a held location may keep without a copy: ``release`` gives it
+    back to its lender once the location drops the array (at once where a writer copies it
+    elsewhere). One small object per array: a lock and a callback each would be objects that
+    live as long as the piece, which the garbage collector promotes (``HostBuffers.view``)."""
 
-    __slots__ = ("_lock", "_release", "data")
+    __slots__ = ("data", "lender")
 
-    def __init__(self, data: np.ndarray, release: Callable[[], None]) -> None:
+    def __init__(self, data: np.ndarray, lender: Lender) -> None:
         self.data = data
-        self._release: Callable[[], None] | None = release
-        self._lock = threading.Lock()
+        self.lender = lender
 
     def wait(self) -> np.ndarray:
         return self.data
 
     def release(self) -> None:
-        with self._lock:
-            release, self._release = self._release, None
-        if release is not None:
-            release()
+        self.lender.give_back(self)
 
 
 @attrs.define(eq=False)

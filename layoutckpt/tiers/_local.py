@@ -169,28 +169,36 @@ class _Loan:
 
     def __init__(self, done: Callable[[], None] | None) -> None:
         self._done = done
-        self._out = 1  # the lender's own count, until ``seal``
-        self._lent: list[_held.Lent] = []
+        self._sealed = False
+        self._out: dict[int, _held.Lent] = {}  # lent and not given back yet, by id
         self._lock = threading.Lock()
 
     def lend(self, data: np.ndarray) -> _held.Lent:
+        lent = _held.Lent(data, self)
         with self._lock:
-            self._out += 1
-        self._lent.append(_held.Lent(data, self._back))
-        return self._lent[-1]
+            self._out[id(lent)] = lent
+        return lent
+
+    def give_back(self, lent: _held.Lent) -> None:
+        with self._lock:
+            if self._out.pop(id(lent), None) is None:
+                return  # given back already
+            last = self._sealed and not self._out
+        if last and self._done is not None:
+            self._done()
 
     def recall(self) -> None:
         """The write failed: what the writer still keeps (a shard it never started) comes back."""
-        for source in self._lent:
-            source.release()  # once per source: a second call does nothing
+        with self._lock:
+            out = list(self._out.values())
+        for lent in out:
+            lent.release()
 
     def seal(self) -> None:
-        self._back()
-
-    def _back(self) -> None:
+        """No more are lent: ``done`` runs now if every one is back, else with the last."""
         with self._lock:
-            self._out -= 1
-            last = self._out == 0
+            self._sealed = True
+            last = not self._out
         if last and self._done is not None:
             self._done()
 

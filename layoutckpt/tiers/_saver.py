@@ -106,6 +106,7 @@ class Tiers:
         self._unreported: list[str] = []
         self._deferred: _Job | None = None
         self._pending: _Job | None = None  # a due persist that waits for the previous one
+        self._tree: Any = None  # the last save's structure (``stage``)
         self._lock = threading.Lock()
         self.replicator = Replicator(comm) if replicas and comm.world > 1 else None
 
@@ -125,7 +126,10 @@ class Tiers:
         info = {"rank": self.comm.rank, "world": self.comm.world, "layout": layout_key(layout)}
         error: BaseException | None = None
         try:
-            staging = stage(state, self._pool, step=step, metadata=metadata, rank_state=rank_state, info=info)
+            staging = stage(
+                state, self._pool, step=step, metadata=metadata, rank_state=rank_state, info=info, tree=self._tree
+            )
+            self._tree = staging.structure
         except Exception as err:  # noqa: BLE001 - raised below, after the ranks' persist agreement
             error = err
         decision = self._decide(step, error is not None)

@@ -119,11 +119,16 @@ def stage(
     metadata: Mapping[str, Any] | None,
     rank_state: Any,
     info: dict[str, Any],
+    tree: Any = None,
 ) -> Staging:
     """Check ``state`` and describe its piece; ``Staging.copy`` copies it. Bad input (a leaf
-    that cannot be stored, metadata that is not JSON) raises here."""
+    that cannot be stored, metadata that is not JSON) raises here. ``tree`` is the previous
+    save's structure, kept where this one's is equal: the piece lives for several steps, and
+    a new structure per step would be garbage the collector promotes (``HostBuffers.view``)."""
     check_user_metadata(metadata)
     structure, leaves = flatten(state)
+    if structure == tree:
+        structure = tree
     rank_doc = _rankstate.document(rank_state, 0, 1) if rank_state is not None else None
     sources, dtensors = {}, {}
     cuda = False
@@ -156,10 +161,10 @@ def _buffer(src: Any, pool: HostBuffers, held: list[Any]) -> Any:
             return torch.empty(src.shape, dtype=src.dtype)
         buf = pool.acquire(nbytes)
         held.append(buf)
-        return buf.view(src.dtype).view(src.shape)
+        return pool.view(buf, src.dtype, src.shape)
     if src.nbytes == 0:
         return np.empty(src.shape, src.dtype)
     buf = pool.acquire(src.nbytes)
     held.append(buf)
     raw = buf if isinstance(buf, np.ndarray) else buf.numpy()
-    return raw.view(src.dtype).reshape(src.shape)
+    return raw.view(src.dtype).reshape(src.shape)  # NumPy arrays are no garbage collector's concern

@@ -17,6 +17,7 @@ loop has to wait for; everything after it (writes, commit) runs in the backgroun
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -38,6 +39,7 @@ class HostBuffers:
         self._free_bytes = 0
         self._used_bytes = 0
         self._cond = threading.Condition()
+        self._views: dict[int, dict[Any, torch.Tensor]] = {}  # by id of a live buffer
 
     @property
     def held_bytes(self) -> int:
@@ -80,6 +82,24 @@ class HostBuffers:
                 self._free[nbytes].append(buf)
                 self._free_bytes += nbytes
             self._cond.notify_all()
+
+    def view(self, buf: torch.Tensor, dtype: Any, shape: Any) -> torch.Tensor:
+        """``buf`` (one of this pool's) as a tensor of ``dtype`` and ``shape``: the same object
+        each time the buffer is viewed alike. A loop that saves the same state every step views
+        its buffers alike; a new tensor per buffer per step would be objects that live as long
+        as the copy they hold, which the garbage collector promotes to its oldest generation,
+        bringing on full collections that walk every object of the process."""
+        with self._cond:
+            views = self._views.get(id(buf))
+            if views is None:
+                views = self._views[id(buf)] = {}
+                # Gone with the buffer, before its id can name another one.
+                weakref.finalize(buf, self._views.pop, id(buf), None)
+            key = (dtype, tuple(shape))
+            out = views.get(key)
+            if out is None:
+                out = views[key] = buf.view(dtype).view(shape)
+            return out
 
     def clear(self) -> None:
         """Drop every buffer kept for reuse (buffers in use are unaffected)."""

@@ -8,6 +8,7 @@ URLs stay TensorStore's memory store.
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 
@@ -119,6 +120,63 @@ def test_buffers_go_back_at_retirement_and_the_next_saves_reuse_them(tmp_path):
         assert len(seen) <= 3 * 3
         assert pool.held_bytes <= 3 * one_set
         assert mgr.local_steps() == [39, 40]
+
+
+def test_steady_saves_make_no_new_objects_that_live_as_long_as_a_piece(tmp_path, monkeypatch):
+    """A piece lives for several steps, so every object made for it per save is one the garbage
+    collector promotes to its oldest generation (full collections walk the whole process). Once
+    the pool's buffers exist, a save of the same state reuses their views and its structure."""
+    from layoutckpt.tiers import _saver
+
+    pieces = {}
+    write = _saver.write_piece
+
+    def recording(final, piece, *args, **kwargs):
+        pieces[piece.meta.step] = piece
+        return write(final, piece, *args, **kwargs)
+
+    monkeypatch.setattr(_saver, "write_piece", recording)
+    with lc.CheckpointManager(tmp_path / "d", local=memory_url(), local_keep_last=2, persist_every=100) as mgr:
+        for step in range(1, 10):
+            mgr.save(step, state(1), lc.Layout.replicated()).result()
+
+        def views(steps: range) -> set[int]:  # NumPy arrays are no garbage collector's concern
+            return {id(a) for s in steps for a in pieces[s].arrays.values() if torch.is_tensor(a) and a.numel()}
+
+        assert len(views(range(4, 7))) == 3 * 2 and views(range(7, 10)) <= views(
+            range(4, 7)
+        )  # the same tensor objects: the pool's views of its buffers
+        assert all(pieces[step].meta.tree is pieces[4].meta.tree for step in range(5, 10))
+
+
+def test_a_pool_views_a_buffer_alike_with_one_object_while_the_buffer_lives():
+    from layoutckpt.torch._staging import HostBuffers
+
+    pool = HostBuffers(None)
+    buf = pool.acquire(96)
+    a = pool.view(buf, torch.float32, (4, 6))
+    assert pool.view(buf, torch.float32, torch.Size([4, 6])) is a
+    assert pool.view(buf, torch.int32, (24,)) is not a
+    assert a.data_ptr() == buf.data_ptr() and a.shape == (4, 6)
+    del buf, a
+    gc.collect()
+    assert pool._views == {}  # gone with their buffer: its id may name another one now
+
+
+def test_a_loan_gives_each_array_back_once_and_ends_once():
+    from layoutckpt.tiers._local import _Loan
+
+    done = []
+    loan = _Loan(lambda: done.append(1))
+    lent = [loan.lend(np.zeros(3)) for _ in range(3)]
+    lent[0].release()
+    lent[0].release()  # a second release of one array counts for nothing
+    loan.seal()
+    lent[1].release()
+    assert done == []
+    loan.recall()  # what is still out comes back: the last one ends the loan
+    lent[2].release()
+    assert done == [1]
 
 
 def test_persists_and_held_pieces_share_the_host_copy_safely(tmp_path):
