@@ -14,6 +14,7 @@ tier never holds up the loop, and no due step is lost to a short delay. A persis
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -107,6 +108,7 @@ class Tiers:
         self._deferred: _Job | None = None
         self._pending: _Job | None = None  # a due persist that waits for the previous one
         self._tree: Any = None  # the last save's structure (``stage``)
+        self._writing: collections.deque[SaveFuture] = collections.deque()  # saves not yet written, oldest first
         self._lock = threading.Lock()
         self.replicator = Replicator(comm) if replicas and comm.world > 1 else None
 
@@ -123,6 +125,7 @@ class Tiers:
         self._report()
         self._start_deferred()
         t0 = time.perf_counter()
+        self._throttle()
         info = {"rank": self.comm.rank, "world": self.comm.world, "layout": layout_key(layout)}
         error: BaseException | None = None
         try:
@@ -157,10 +160,20 @@ class Tiers:
             job.fut.wait_staged()
             self._issue(job)
         self._worker.submit(self._write, job)
+        self._writing.append(job.fut)
         job.fut._blocked_seconds = time.perf_counter() - t0
         self._record(saves=self.metrics.saves + 1, blocked_seconds=job.fut._blocked_seconds)
         self._last = job.fut
         return job.fut
+
+    def _throttle(self) -> None:
+        """Wait until at most one earlier save is still being written: a loop that saves faster
+        than its tier writes (a slow disk, or a tier thread short of the GIL) then waits here,
+        rather than holding a set of host buffers for every save queued behind the writer."""
+        while len(self._writing) > 1:
+            concurrent.futures.wait([self._writing.popleft()._future])
+        while self._writing and self._writing[0].done():
+            self._writing.popleft()
 
     def _report(self) -> None:
         """Raise the last save's failure if nobody saw it; warn of persists that failed since."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 import uuid
 
 import numpy as np
@@ -147,6 +148,27 @@ def test_steady_saves_make_no_new_objects_that_live_as_long_as_a_piece(tmp_path,
             range(4, 7)
         )  # the same tensor objects: the pool's views of its buffers
         assert all(pieces[step].meta.tree is pieces[4].meta.tree for step in range(5, 10))
+
+
+def test_a_tier_slower_than_the_loop_holds_up_the_loop_not_more_buffers(tmp_path, monkeypatch):
+    from layoutckpt.tiers import _saver
+
+    write = _saver.write_piece
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)  # a slow disk, or a tier thread short of the GIL
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(_saver, "write_piece", slow)
+    one_set = sum(a.nbytes for k, a in state(0).items() if k in ("w", "e", "n"))
+    with lc.CheckpointManager(tmp_path / "d", local=memory_url(), local_keep_last=2, persist_every=100) as mgr:
+        for step in range(1, 21):
+            mgr.save(step, state(step), lc.Layout.replicated())  # not waited for
+        # Two pieces kept, one being written and one being copied, however far the loop got.
+        assert mgr._tiers._pool(False).held_bytes <= 4 * one_set
+        mgr.wait()
+        assert mgr.local_steps() == [19, 20]
+        assert_state(mgr.load(lc.Layout.replicated()), 20)
 
 
 def test_a_pool_views_a_buffer_alike_with_one_object_while_the_buffer_lives():
