@@ -271,7 +271,7 @@ class CheckpointManager:
         self._last = fut
         if self._retention is not None:
             # Queued now (so wait() sees it), run once this save has committed.
-            self._retiring.append(self._retention.submit(self._retire_after, fut))
+            self._retire_later(fut)
         return fut
 
     def _persist(self, step: int, state: Any, layout: Layout | None, metadata: Any, rank_state: Any) -> SaveFuture:
@@ -281,8 +281,15 @@ class CheckpointManager:
         mine = dict(step=step, metadata=metadata, rank_state=rank_state, lazy=True)
         fut = start(self.path(step), state, layout, _options(self._defaults, mine), copy=True, private=True)
         if self._retention is not None:
-            self._retiring.append(self._retention.submit(self._retire_after, fut))
+            self._retire_later(fut)
         return fut
+
+    def _retire_later(self, fut: SaveFuture) -> None:
+        """Queue retention to run once ``fut`` has committed. Runs that ended well are forgotten
+        here; ``wait()`` raises the failure of one that did not."""
+        assert self._retention is not None
+        self._retiring = [f for f in self._retiring if not f.done() or f.exception() is not None]
+        self._retiring.append(self._retention.submit(self._retire_after, fut))
 
     def _retire_after(self, fut: SaveFuture) -> None:
         if fut._future.exception() is not None:

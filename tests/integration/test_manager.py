@@ -147,6 +147,15 @@ def test_retention_keep_last_and_keep_every(tmp_path):
     assert entries(root) == sorted([_retention.LOCK_FILE, *(f"step_{s:08d}" for s in expected)])
 
 
+def test_a_long_run_keeps_no_record_of_retention_that_ended_well(tmp_path):
+    with lc.CheckpointManager(tmp_path / "run", keep_last=1) as mgr:
+        for s in range(1, 21):
+            mgr.save(s, state_of(s), LAYOUT).result()
+            mgr._retiring[-1].result()  # this save's retention
+        assert len(mgr._retiring) == 1  # the last one: earlier ones are forgotten, not kept per save
+        assert mgr.steps() == [20]
+
+
 @pytest.mark.parametrize(
     ("keep_last", "keep_every", "saved"), [(1, None, [1, 2, 3]), (1, 2, [1, 2, 3, 4, 5]), (1, 10, [3, 7])]
 )
