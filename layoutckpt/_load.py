@@ -167,7 +167,8 @@ class _LoadPlan:
     composites: dict[str, Composite] = attrs.field(factory=dict)
 
     def requests(self, meta: CheckpointMeta, reader: BoxReader) -> _Requests:
-        """Every read, and the template leaves that the reads fill in place (``destinations``)."""
+        """Every read, the template leaves that the reads fill in place (``destinations``), and
+        the boxes the reader lends instead of reading them (``lent``)."""
         lent = self.lent(meta, reader)
         boxes = list(self.targets.values()) + [key for _, _, parts in self.flats.values() for key, *_ in parts]
         boxes += [key for c in self.composites.values() for key, _ in c.parts]
