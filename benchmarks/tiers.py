@@ -24,9 +24,10 @@ machine's drift falls on all of them:
 It reports the median step time of each mode (the maximum over ranks of each rank's median over
 its steps, then the median over repeats) and the mean step time likewise, each with its ratio to
 ``none``, and for ``tiers`` the copy into host memory (the part of the save the loop waits for)
-next to the step time (for ``lazy``, the copy that ran beside the next step). A persist slows the one or two steps that run beside it, which the median
-hides and the mean (what a run's length follows) counts. Then it restores the
-newest step from the fast tier and a persisted step from the durable tier, each twice: into fresh
+next to the step time (for ``lazy``, the copy that ran beside the next step), and the full
+passes of Python's garbage collector in the timed steps. A persist slows the one or two steps
+that run beside it, which the median hides and the mean (what a run's length follows) counts.
+Then it restores the newest step from the fast tier and a persisted step from the durable tier, each twice: into fresh
 arrays (``mgr.load(layout)``: the new memory's page faults are paid whichever tier serves it) and
 into the live model and optimizer (``like=state, inplace=True``, as a job restoring into the model
 it built), and reports the times and their ratios. A directory durable tier is read twice: as it
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -148,12 +150,14 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
             if opts["durable"] == "s3" and mode in ("tiers", "lazy"):
                 durable = f"s3://{BUCKET}/{opts['id']}/durable-{run}"
             times, copies, calls = [], [], []
+            full_gc = _FullCollections()
             mgr = None
             if mode in ("tiers", "lazy"):
                 mgr = lc.CheckpointManager(durable, local=local.format(run=run), persist_every=10, keep_last=2)
             pending = staged = None
             for step in range(1, opts["steps"] + 1):
                 dist.barrier()
+                full_gc.counting = step > opts["warmup"]
                 t0 = time.perf_counter()
                 train_step(staged.wait_staged if staged is not None else None)
                 done()
@@ -169,6 +173,7 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                         state(), checkpoint_id=os.path.join(durable, f"step_{step}"), process_group=dcp_group
                     )
                 times.append(time.perf_counter() - t0)
+            full_gc.stop()
             if pending is not None:
                 pending.result()
             # The first steps allocate buffers and make plans; a pool finds its size only once
@@ -181,6 +186,7 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                     "copy": statistics.median(copies[skip:]) if copies else 0.0,
                     "call": statistics.median(calls[skip:]) if calls else 0.0,
                     "slowest": max(times[skip:]),
+                    "gc": full_gc.count,
                 }
             )
             if mgr is not None:
@@ -205,6 +211,24 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                     shutil.rmtree(os.path.dirname(local.format(run=run)), ignore_errors=True)
     out.put((rank, {"modes": results, "restore": restore, "state_bytes": _nbytes(state())}))
     dist.destroy_process_group()
+
+
+class _FullCollections:
+    """Full passes of Python's cyclic garbage collector while ``counting``: each walks every
+    object of the process (a tenth of a second or more beside torch), and objects a checkpoint
+    keeps alive across steps are what brings them on (docs/design/multi-tier.md)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.counting = False
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict[str, Any]) -> None:
+        if self.counting and phase == "stop" and info["generation"] == 2:
+            self.count += 1
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._seen)
 
 
 def _restore(
@@ -247,9 +271,9 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     rows = {}
     modes = list(per_rank[0]["modes"])
     for mode in modes:
-        step, mean, copy, call, slowest = (
+        step, mean, copy, call, slowest, full = (
             [max(r["modes"][mode][i][k] for r in per_rank) for i in range(repeats)]
-            for k in ("step", "mean", "copy", "call", "slowest")
+            for k in ("step", "mean", "copy", "call", "slowest", "gc")
         )
         rows[mode] = {
             "step_s": statistics.median(step),
@@ -257,6 +281,7 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             "copy_s": statistics.median(copy),
             "call_s": statistics.median(call),
             "slowest_s": statistics.median(slowest),
+            "full_collections": statistics.median(full),
             "spread": [min(step), max(step)],
         }
     for mode in modes:
@@ -347,13 +372,13 @@ def _print(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     )
     print(
         f"{'mode':8} {'step (s)':>10} {'vs none':>8} {'mean (s)':>10} {'vs none':>8} {'copy (s)':>10} "
-        f"{'call (s)':>10} {'slowest':>10}  "
+        f"{'call (s)':>10} {'slowest':>10} {'full gc':>8}  "
         f"median's spread over {args.repeats} repeats"
     )
     for mode, row in summary["rows"].items():
         print(
             f"{mode:8} {row['step_s']:10.4f} {row['vs_none']:8.3f} {row['mean_s']:10.4f} {row['mean_vs_none']:8.3f} "
-            f"{row['copy_s']:10.4f} {row['call_s']:10.4f} {row['slowest_s']:10.4f}  "
+            f"{row['copy_s']:10.4f} {row['call_s']:10.4f} {row['slowest_s']:10.4f} {row['full_collections']:8g}  "
             f"{row['spread'][0]:.4f}-{row['spread'][1]:.4f}"
         )
     for kind, r in summary["restore"].items():
