@@ -205,7 +205,7 @@ class Staged:
             self._pool = pools.get(src.device.type == "cuda")
             self._buffer = self._pool.acquire(src.numel() * src.element_size())
             # The NumPy view is made by the writer (``wait``), off the caller's blocked time.
-            self._dst = self._buffer.view(src.dtype).view(src.shape)
+            self._dst = self._pool.view(self._buffer, src.dtype, src.shape)
             return self._dst, src
         src = np.asarray(src)
         if src.nbytes == 0:

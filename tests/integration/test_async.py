@@ -277,12 +277,23 @@ def _save_twice(rank, group, root):
     held_first = pool.held_bytes
     # Holding the pooled tensors keeps their memory alive: a fresh allocation cannot reuse the address.
     kept = [t for bufs in pool._free.values() for t in bufs]
+    views = {id(v) for by_kind in pool._views.values() for v in by_kind.values()}
     second = lc.save_async(os.path.join(root, "two"), state, WAVE_LAYOUT, group=group).result()
     held_second = pool.held_bytes
     now = [t for bufs in pool._free.values() for t in bufs]
     same_objects = sorted(map(id, kept)) == sorted(map(id, now))
     same_memory = sorted(t.data_ptr() for t in kept) == sorted(t.data_ptr() for t in now)
-    return first.staged_bytes, second.staged_bytes, held_first, held_second, len(kept), same_objects, same_memory
+    # The staged tensors too: a new view per buffer per save would be garbage the collector promotes.
+    same_views = len(views) == len(kept) and views == {id(v) for d in pool._views.values() for v in d.values()}
+    return (
+        first.staged_bytes,
+        second.staged_bytes,
+        held_first,
+        held_second,
+        len(kept),
+        same_objects and same_views,
+        same_memory,
+    )
 
 
 def test_second_save_of_the_same_state_reuses_every_staging_buffer(ranks, tmp_path):
