@@ -320,9 +320,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--durable", choices=("dir", "s3"), default="dir")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES), help="none,tiers,lazy,dcp")
+    ap.add_argument(
+        "--modes",
+        type=lambda v: v.split(","),
+        default=list(MODES),
+        help="none,tiers,lazy,dcp; none, the ratios' baseline, always runs",
+    )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    args.modes = ["none"] + [m for m in args.modes if m != "none"]
     with contextlib.ExitStack() as stack:
         if args.durable == "s3":
             sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
