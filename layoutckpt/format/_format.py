@@ -555,9 +555,11 @@ _PARSED_KEPT = 4
 _PARSED_MAX_BYTES = 16 << 20
 
 
-def parse_root_document(raw: bytes, where: str) -> CheckpointMeta:
-    """The checked metadata of the root ``zarr.json`` ``raw``; ``FormatError`` naming ``where``."""
-    if len(raw) <= _PARSED_MAX_BYTES:
+def parse_root_document(raw: bytes, where: str, *, keep: bool = True) -> CheckpointMeta:
+    """The checked metadata of the root ``zarr.json`` ``raw``; ``FormatError`` naming ``where``.
+    ``keep=False`` for a document parsed once (a replica's header): kept, its objects would
+    outlive the steps that use them."""
+    if keep and len(raw) <= _PARSED_MAX_BYTES:
         return _parse_kept(bytes(raw), where)
     return _parse_root_document(raw, where)
 

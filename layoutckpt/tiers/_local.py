@@ -117,11 +117,15 @@ def piece_meta(
     )
 
 
-def empty_arrays(meta: CheckpointMeta, acquire: Any) -> dict[str, Any]:
-    """Host arrays to receive ``meta``'s arrays into, from ``acquire(nbytes)`` (uint8 tensors)."""
+def empty_arrays(meta: CheckpointMeta, acquire: Any, view: Any = None) -> dict[str, Any]:
+    """Host arrays to receive ``meta``'s arrays into, from ``acquire(nbytes)`` (uint8 tensors),
+    a tensor leaf as ``view(buffer, dtype, shape)`` where given (a pool's ``HostBuffers.view``)."""
     out: dict[str, Any] = {}
     for name, a in meta.arrays.items():
         nbytes = int(np.prod(a.shape, dtype=np.int64)) * a.itemsize
+        if a.kind == "torch" and nbytes and view is not None:
+            out[name] = view(acquire(nbytes), torch_dtype(a.dtype), a.shape)
+            continue
         buf = acquire(nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         if a.kind == "torch":
             out[name] = buf.view(torch_dtype(a.dtype)).view(a.shape)
@@ -133,7 +137,7 @@ def empty_arrays(meta: CheckpointMeta, acquire: Any) -> dict[str, Any]:
 def piece_from_header(header: bytes, where: str) -> tuple[CheckpointMeta, bytes | None]:
     body = json.loads(header)
     doc = body["rank_doc"]
-    return parse_root_document(body["root"].encode(), where), doc.encode() if doc is not None else None
+    return parse_root_document(body["root"].encode(), where, keep=False), doc.encode() if doc is not None else None
 
 
 def write_piece(final: Location, piece: Piece, io: IOConfig, done: Callable[[], None] | None = None) -> int:
@@ -211,8 +215,7 @@ def _write_arrays(tmp: Location, piece: Piece, io: IOConfig, loan: _Loan) -> int
                 continue  # nothing to store; a load of the piece reads nothing for it either
             box = tuple((0, n) for n in a.shape)  # a piece's shard is the whole local array
             # The host copy is the piece's own: written as it is (or kept), no second copy.
-            data = piece.arrays[name]
-            writer.write(a, box, loan.lend(to_numpy(data) if is_tensor(data) else np.asarray(data)))
+            writer.write(a, box, loan.lend(_numpy_of(piece.arrays[name])))
         tmp.write_many(hierarchy.documents(piece.meta))
         if piece.rank_doc is not None:
             tmp.write(_rankstate.file_name(0), piece.rank_doc)
@@ -221,6 +224,19 @@ def _write_arrays(tmp: Location, piece: Piece, io: IOConfig, loan: _Loan) -> int
     finally:
         writer.close()
     return written
+
+
+def _numpy_of(data: Any) -> np.ndarray:
+    """A piece's array as NumPy, sharing its memory: for a tensor, the same array each time.
+    Torch's ``numpy()`` makes a tensor object that lives as long as the array, which a memory
+    tier keeps for several steps, so a new one per save would be promoted by the garbage
+    collector. A piece's tensors are views of the tier's own buffers, never resized."""
+    if not is_tensor(data):
+        return np.asarray(data)
+    out = getattr(data, "_layoutckpt_numpy", None)
+    if out is None:
+        out = data._layoutckpt_numpy = to_numpy(data)
+    return out
 
 
 def read_piece(loc: Location, io: IOConfig) -> Piece:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import attrs
+
+from ..format._format import CheckpointMeta
 from ..torch._dist import Comm
 from ..torch._torch import dist, torch
 from ._local import Piece, empty_arrays, piece_from_header
@@ -22,6 +25,8 @@ from ._local import Piece, empty_arrays, piece_from_header
 _ROUNDS = 64
 _ARRAYS_PER_ROUND = 1 << 14
 _SERIALS = iter(range(1, 1 << 12))
+# The members of a received piece's document that stay the same from step to step.
+_REUSED = ("arrays", "tree", "mesh", "rules", "user_metadata")
 
 
 class Replicator:
@@ -39,10 +44,12 @@ class Replicator:
         # Managers are made in the same order on every rank, so their serials (and tags) agree.
         self._base = next(_SERIALS) * _ROUNDS * _ARRAYS_PER_ROUND
         self._round = 0
+        self._last: CheckpointMeta | None = None  # the last piece received (``_like_last``)
 
-    def headers(self, piece: Piece | None, acquire: Any) -> Piece | None:
+    def headers(self, piece: Piece | None, acquire: Any, view: Any = None) -> Piece | None:
         """Swap headers with the peers (blocking, small); the piece ``pred`` sends, its arrays
-        allocated from ``acquire(nbytes)`` and not yet received (None if it sends nothing)."""
+        allocated from ``acquire(nbytes)`` (viewed by ``view``, see ``empty_arrays``) and not
+        yet received (None if it sends nothing)."""
         self._round = (self._round + 1) % _ROUNDS
         tag = self._tag(0)
         header = piece.header() if piece is not None else b""
@@ -54,7 +61,19 @@ class Replicator:
         if not got.numel():
             return None
         meta, rank_doc = piece_from_header(got.numpy().tobytes(), f"the replica of rank {self.pred}")
-        return Piece(meta, empty_arrays(meta, acquire), rank_doc)
+        meta = self._like_last(meta)
+        return Piece(meta, empty_arrays(meta, acquire, view), rank_doc)
+
+    def _like_last(self, meta: CheckpointMeta) -> CheckpointMeta:
+        """``meta`` with the previous round's objects wherever its values equal them. A peer
+        sends the same arrays every step, and the piece held for it lives for several steps:
+        objects parsed anew each round would be promoted to the garbage collector's oldest
+        generation, bringing on full collections that walk every object of the process."""
+        last, self._last = self._last, meta
+        if last is None or last.save_id != meta.save_id:  # ``save_id`` binds every array
+            return meta
+        self._last = attrs.evolve(meta, **{k: like(getattr(meta, k), getattr(last, k)) for k in _REUSED})
+        return self._last
 
     def post(self, piece: Piece | None, incoming: Piece | None) -> list[Any]:
         """Start sending ``piece``'s arrays and receiving ``incoming``'s; the works to wait for."""
@@ -68,6 +87,20 @@ class Replicator:
 
     def _tag(self, offset: int) -> int:
         return self._base + self._round * _ARRAYS_PER_ROUND + offset
+
+
+def like(new: Any, old: Any) -> Any:
+    """``new`` made of ``old``'s objects wherever their values are equal: ``old`` itself where
+    all of it is, else a dict or list of the same kind whose equal parts are ``old``'s."""
+    if type(new) is not type(old):
+        return new
+    if isinstance(new, dict):
+        out = {k: like(v, old[k]) if k in old else v for k, v in new.items()}
+        return old if out.keys() == old.keys() and all(out[k] is old[k] for k in out) else out
+    if isinstance(new, list):
+        items = [like(v, o) for v, o in zip(new, old)] + new[len(old) :]
+        return old if len(new) == len(old) and all(a is b for a, b in zip(items, old)) else items
+    return old if new == old else new
 
 
 def wait_all(works: list[Any]) -> None:

@@ -151,7 +151,7 @@ class Tiers:
         if decision == "pend":
             self._pend(job)
         if self.replicator is not None:
-            job.incoming = self.replicator.headers(staging.piece, self._acquire(job.held))
+            job.incoming = self.replicator.headers(staging.piece, self._acquire(job.held), self._pool(False).view)
         if lazy:
             threading.Thread(target=self._copy, args=(job,), name="layoutckpt-tier-stage", daemon=True).start()
             self._deferred = job  # sends and persist start with the next call, after the copy

@@ -16,6 +16,7 @@ import torch
 
 import layoutckpt as lc
 from layoutckpt.base import _faults
+from layoutckpt.tiers._local import TIER_KEY
 from tests.support.s3server import running
 
 BUCKET = "tiers"
@@ -222,3 +223,42 @@ def _memory_tier(rank, group, name, durable):
 
 def test_host_memory_tier_on_two_ranks(ranks, tmp_path):
     assert ranks.run(_memory_tier, 2, uuid.uuid4().hex, os.fspath(tmp_path / "d")) == ["local"] * 2
+
+
+def _steady_replicas(rank, group, name, durable):
+    from layoutckpt.tiers import _saver
+
+    pieces = {}  # (step, whose) -> piece, this rank's own and the one it holds for its peer
+    write = _saver.write_piece
+
+    def recording(final, piece, *args, **kwargs):
+        pieces[piece.meta.step, piece.meta.user_metadata[TIER_KEY]["rank"]] = piece
+        return write(final, piece, *args, **kwargs)
+
+    _saver.write_piece = recording
+    try:
+        local = f"memory://{name}/{{rank}}"
+        with lc.CheckpointManager(durable, local=local, replicas=1, persist_every=100, group=group) as mgr:
+            for step in range(1, 10):
+                mgr.save(step, local_state(step, rank, 2), layout_for(2)).result()
+    finally:
+        _saver.write_piece = write
+    peer = 1 - rank
+
+    def views(steps: range) -> set[int]:
+        return {id(a) for (s, _), p in pieces.items() if s in steps for a in p.arrays.values() if torch.is_tensor(a)}
+
+    received = [pieces[step, peer] for step in range(3, 10)]
+    return (
+        all(p.meta.arrays is received[0].meta.arrays for p in received),
+        # The tree differs only in the step's value: every other node is the last round's.
+        all(p.meta.tree["dict"][0] is received[0].meta.tree["dict"][0] for p in received),
+        {id(a) for p in received[4:] for a in p.arrays.values()} <= views(range(2, 7)),
+    )
+
+
+def test_a_replica_held_for_a_peer_reuses_its_documents_and_buffer_views(ranks, tmp_path):
+    """A piece held for a peer lives for several steps, like the rank's own: each round's
+    received document and arrays are the previous round's objects where they are the same (no
+    new objects for the garbage collector to promote every step)."""
+    assert ranks.run(_steady_replicas, 2, uuid.uuid4().hex, os.fspath(tmp_path / "d")) == [(True, True, True)] * 2
