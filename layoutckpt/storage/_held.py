@@ -4,7 +4,7 @@ A multi-tier manager's ``memory://`` fast tier registers its root here (``regist
 then on ``locate`` gives a ``HeldPrefix`` for that root and every URL under it, so ``lc.load``,
 ``lc.open`` and ``Reader`` take a piece's URL as they take any other. Nothing is encoded:
 documents are kept as bytes, and an array as a reference to the host array its writer was
-given (``Lent``: no copy at all) or, from any other source, as one copy of it. A read copies the
+given (a lent ``HeldArray``: no copy at all) or, from any other source, as one copy of it. A read copies the
 requested box straight out of that array into the destination (``HeldReader``), one copy in
 all; TensorStore's ``memory://`` store would encode every save and decode every restore.
 
@@ -46,36 +46,30 @@ SCHEME = "memory://"
 
 
 class Lender(Protocol):
-    def give_back(self, lent: Lent) -> None:
+    def give_back(self, lent: HeldArray) -> None:
         """``lent`` is released: the first call for it counts, later ones do nothing."""
 
 
-class Lent:
-    """A writer's source that a held location may keep without a copy: ``release`` gives it
-    back to its lender once the location drops the array (at once where a writer copies it
-    elsewhere). One small object per array: a lock and a callback each would be objects that
-    live as long as the piece, which the garbage collector promotes (``HostBuffers.view``)."""
+class HeldArray:
+    """One stored array: its elements and, where they were lent (``lender``), who gets them
+    back once the array is dropped (``release``). Given to a writer as its source, a lent array
+    is kept as it is; one that is copied instead is released at once. One small object per
+    array: a lock, a callback or a second object each would be objects that live as long as the
+    piece, which the garbage collector promotes (``HostBuffers.view``)."""
 
-    __slots__ = ("data", "lender")
+    __slots__ = ("alive", "data", "lender")
 
-    def __init__(self, data: np.ndarray, lender: Lender) -> None:
+    def __init__(self, data: np.ndarray, lender: Lender | None = None) -> None:
         self.data = data
         self.lender = lender
+        self.alive = True  # False from the moment it is dropped: a read overlapping that fails
 
     def wait(self) -> np.ndarray:
         return self.data
 
     def release(self) -> None:
-        self.lender.give_back(self)
-
-
-@attrs.define(eq=False)
-class _Array:
-    """One stored array: its elements, and who gets them back when it is dropped."""
-
-    data: np.ndarray
-    source: Source | None  # a lent source, released when the array is dropped
-    alive: bool = True  # False from the moment it is dropped: a read overlapping that fails
+        if self.lender is not None:
+            self.lender.give_back(self)
 
 
 class HeldRoot:
@@ -88,7 +82,7 @@ class HeldRoot:
         self.path = path  # "run/0": the root's URL without its scheme
         self._lock = threading.Lock()
         self._docs: dict[str, dict[str, bytes]] = {}
-        self._arrays: dict[str, dict[str, _Array]] = {}  # array paths: "step_00000001" -> "model/w"
+        self._arrays: dict[str, dict[str, HeldArray]] = {}  # array paths: "step_00000001" -> "model/w"
 
     def read(self, key: str) -> bytes | None:
         top, rest = _split(key)
@@ -99,11 +93,11 @@ class HeldRoot:
         with self._lock:
             self._docs.setdefault(top, {})[rest] = bytes(data)
 
-    def array(self, key: str) -> _Array | None:
+    def array(self, key: str) -> HeldArray | None:
         top, rest = _split(key)
         return self._arrays.get(top, {}).get(rest)
 
-    def put_array(self, key: str, array: _Array) -> None:
+    def put_array(self, key: str, array: HeldArray) -> None:
         top, rest = _split(key)
         with self._lock:
             folder = self._arrays.setdefault(top, {})
@@ -152,14 +146,13 @@ def _matching(store: dict[str, dict[str, Any]], prefix: str) -> list[str]:
     return [f"{t}/{r}" if r else t for t, folder in store.items() if t.startswith(prefix) for r in folder]
 
 
-def _drop(arrays: list[_Array]) -> None:
+def _drop(arrays: list[HeldArray]) -> None:
     """Mark ``arrays`` dropped, then give lent ones back: outside the root's lock, since a
     release may run the lender's code (a pool's condition)."""
     for a in arrays:
         a.alive = False
     for a in arrays:
-        if a.source is not None:
-            a.source.release()
+        a.release()
 
 
 # The registered roots, by path ("run/0"): process-wide, as the memory they hold is.
@@ -258,10 +251,10 @@ class HeldPrefix(MarkerCommit):
     def box_writer(self, io: IOConfig, in_flight: InFlight | None = None) -> BoxWriter:
         return HeldWriter(self, io, in_flight)
 
-    def array(self, meta: ArrayMeta) -> _Array | None:
+    def array(self, meta: ArrayMeta) -> HeldArray | None:
         return self.root.array(self.prefix + meta.path)
 
-    def put_array(self, meta: ArrayMeta, array: _Array) -> None:
+    def put_array(self, meta: ArrayMeta, array: HeldArray) -> None:
         self.root.put_array(self.prefix + meta.path, array)
 
     # -- the save's life cycle (as KvPrefix's) ---------------------------------------------
@@ -313,8 +306,8 @@ class HeldWriter(BoxWriter):
             data = data(box)
         data = np.asarray(data)
         self.in_flight.start(data.nbytes)
-        if whole and isinstance(source, Lent) and data.dtype == dtype and data.shape == shape:
-            self.location.put_array(meta, _Array(data, source))  # released when dropped
+        if whole and isinstance(source, HeldArray) and data.dtype == dtype and data.shape == shape:
+            self.location.put_array(meta, source)  # released when dropped
         else:
             try:
                 self._copy(meta, box, data, shape, dtype, whole)
@@ -329,7 +322,7 @@ class HeldWriter(BoxWriter):
     ) -> None:
         held = None if whole else self.location.array(meta)
         if held is None:
-            held = _Array(np.zeros(shape, dtype), None)
+            held = HeldArray(np.zeros(shape, dtype))
             self.location.put_array(meta, held)
         np.copyto(held.data[tuple(slice(a, b) for a, b in box)], data.reshape(box_shape(box)), casting="no")
 

@@ -168,22 +168,22 @@ def write_piece(final: Location, piece: Piece, io: IOConfig, done: Callable[[], 
 
 
 class _Loan:
-    """A piece's host arrays lent to a location (``storage._held.Lent``): ``done`` runs once every
+    """A piece's host arrays lent to a location (``storage._held.HeldArray``): ``done`` runs once every
     one is given back and no more are lent."""
 
     def __init__(self, done: Callable[[], None] | None) -> None:
         self._done = done
         self._sealed = False
-        self._out: dict[int, _held.Lent] = {}  # lent and not given back yet, by id
+        self._out: dict[int, _held.HeldArray] = {}  # lent and not given back yet, by id
         self._lock = threading.Lock()
 
-    def lend(self, data: np.ndarray) -> _held.Lent:
-        lent = _held.Lent(data, self)
+    def lend(self, data: np.ndarray) -> _held.HeldArray:
+        lent = _held.HeldArray(data, self)
         with self._lock:
             self._out[id(lent)] = lent
         return lent
 
-    def give_back(self, lent: _held.Lent) -> None:
+    def give_back(self, lent: _held.HeldArray) -> None:
         with self._lock:
             if self._out.pop(id(lent), None) is None:
                 return  # given back already

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
 import uuid
 
@@ -152,8 +153,8 @@ def test_steady_saves_make_no_new_objects_that_live_as_long_as_a_piece(tmp_path,
 
 def test_a_save_leaves_few_objects_per_array_that_outlive_the_next_save(tmp_path):
     """What a piece keeps per array is what the garbage collector promotes every step: the held
-    array and its loan, not a new tensor behind each NumPy view of a buffer (torch's ``numpy()``
-    makes one per call) nor a new view of a buffer."""
+    array, not a new tensor behind each NumPy view of a buffer (torch's ``numpy()`` makes one per
+    call), nor a new view of a buffer, nor a loan apart from the array."""
     many = {f"w{i}": torch.randn(8, 8) for i in range(100)}
     with lc.CheckpointManager(tmp_path / "d", local=memory_url(), local_keep_last=2, persist_every=1000) as mgr:
         for step in range(1, 8):
@@ -166,7 +167,8 @@ def test_a_save_leaves_few_objects_per_array_that_outlive_the_next_save(tmp_path
             mgr.save(step + 1, many).result()
             gc.collect()
             kept.append(sum(id(o) not in before for o in gc.get_objects()) / 2 / len(many))
-    assert max(kept) < 2.2, kept  # 1.6-1.7; 2.75 with a new tensor behind each NumPy view per save
+    # About 1.15: the held array. 2.3 with a new tensor behind each NumPy view and a loan apart.
+    assert statistics.median(kept) < 1.7, kept
 
 
 def test_a_tier_slower_than_the_loop_holds_up_the_loop_not_more_buffers(tmp_path, monkeypatch):
@@ -400,8 +402,8 @@ def test_a_held_root_lists_and_deletes_by_prefix_across_its_folders():
     root = _held.HeldRoot("keys")
     for key in ("step_1/zarr.json", "step_1/w/zarr.json", "step_10/zarr.json", "step_1", "replica_2/step_1/x"):
         root.write(key, b"d")
-    root.put_array("step_1/w", _held._Array(np.zeros(2), None))
-    root.put_array("step_10/w", _held._Array(np.zeros(2), None))
+    root.put_array("step_1/w", _held.HeldArray(np.zeros(2)))
+    root.put_array("step_10/w", _held.HeldArray(np.zeros(2)))
     assert root.keys("step_1/") == ["step_1/w", "step_1/w/zarr.json", "step_1/zarr.json"]
     assert root.keys("step_1") == [
         "step_1",
