@@ -4,9 +4,10 @@ A multi-tier manager's ``memory://`` fast tier registers its root here (``regist
 then on ``locate`` gives a ``HeldPrefix`` for that root and every URL under it, so ``lc.load``,
 ``lc.open`` and ``Reader`` take a piece's URL as they take any other. Nothing is encoded:
 documents are kept as bytes, and an array as a reference to the host array its writer was
-given (a lent ``HeldArray``: no copy at all) or, from any other source, as one copy of it. A read copies the
-requested box straight out of that array into the destination (``HeldReader``), one copy in
-all; TensorStore's ``memory://`` store would encode every save and decode every restore.
+given (a lent ``HeldArray``: no copy at all) or, from any other source, as one copy of it. A
+read copies the requested box straight out of that array into the destination
+(``HeldReader``), one copy in all; TensorStore's ``memory://`` store would encode every save
+and decode every restore.
 
 A lent array stays its lender's until the checkpoint holding it is retired or discarded; then
 its ``release`` gives it back (to the tier's buffer pool, for the next save). A read that

@@ -168,8 +168,8 @@ def write_piece(final: Location, piece: Piece, io: IOConfig, done: Callable[[], 
 
 
 class _Loan:
-    """A piece's host arrays lent to a location (``storage._held.HeldArray``): ``done`` runs once every
-    one is given back and no more are lent."""
+    """A piece's host arrays lent to a location (``storage._held.HeldArray``): ``done`` runs
+    once every one is given back and no more are lent."""
 
     def __init__(self, done: Callable[[], None] | None) -> None:
         self._done = done
