@@ -117,6 +117,22 @@ def piece_meta(
     )
 
 
+def like(new: Any, old: Any) -> Any:
+    """``new`` made of ``old``'s objects wherever their values are equal: ``old`` itself where
+    all of it is, else a dict or list whose equal parts are ``old``'s. A piece lives for several
+    steps, so objects made anew for each save's equal values would be garbage the collector
+    promotes (``HostBuffers.view``)."""
+    if type(new) is not type(old):
+        return new
+    if type(new) is dict:
+        out = {k: like(v, old[k]) if k in old else v for k, v in new.items()}
+        return old if out.keys() == old.keys() and all(out[k] is old[k] for k in out) else out
+    if type(new) is list:
+        items = [like(v, o) for v, o in zip(new, old)] + new[len(old) :]
+        return old if len(new) == len(old) and all(a is b for a, b in zip(items, old)) else items
+    return old if new == old else new
+
+
 def empty_arrays(meta: CheckpointMeta, acquire: Any, view: Any = None) -> dict[str, Any]:
     """Host arrays to receive ``meta``'s arrays into, from ``acquire(nbytes)`` (uint8 tensors),
     a tensor leaf as ``view(buffer, dtype, shape)`` where given (a pool's ``HostBuffers.view``)."""

@@ -19,7 +19,7 @@ import attrs
 from ..format._format import CheckpointMeta
 from ..torch._dist import Comm
 from ..torch._torch import dist, torch
-from ._local import Piece, empty_arrays, piece_from_header
+from ._local import Piece, empty_arrays, like, piece_from_header
 
 # Tag rounds apart: a round's arrays may still be in flight when the next round's headers go.
 _ROUNDS = 64
@@ -87,20 +87,6 @@ class Replicator:
 
     def _tag(self, offset: int) -> int:
         return self._base + self._round * _ARRAYS_PER_ROUND + offset
-
-
-def like(new: Any, old: Any) -> Any:
-    """``new`` made of ``old``'s objects wherever their values are equal: ``old`` itself where
-    all of it is, else a dict or list of the same kind whose equal parts are ``old``'s."""
-    if type(new) is not type(old):
-        return new
-    if isinstance(new, dict):
-        out = {k: like(v, old[k]) if k in old else v for k, v in new.items()}
-        return old if out.keys() == old.keys() and all(out[k] is old[k] for k in out) else out
-    if isinstance(new, list):
-        items = [like(v, o) for v, o in zip(new, old)] + new[len(old) :]
-        return old if len(new) == len(old) and all(a is b for a, b in zip(items, old)) else items
-    return old if new == old else new
 
 
 def wait_all(works: list[Any]) -> None:

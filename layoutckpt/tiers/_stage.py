@@ -23,7 +23,7 @@ from ..layout._tree import flatten, is_array_leaf
 from ..torch._dtensor import is_dtensor
 from ..torch._staging import HostBuffers, side_stream
 from ..torch._torch import is_tensor, torch
-from ._local import Piece, leaf_meta, piece_meta
+from ._local import Piece, leaf_meta, like, piece_meta
 
 
 @attrs.define(eq=False)
@@ -123,12 +123,10 @@ def stage(
 ) -> Staging:
     """Check ``state`` and describe its piece; ``Staging.copy`` copies it. Bad input (a leaf
     that cannot be stored, metadata that is not JSON) raises here. ``tree`` is the previous
-    save's structure, kept where this one's is equal: the piece lives for several steps, and
-    a new structure per step would be garbage the collector promotes (``HostBuffers.view``)."""
+    save's structure, whose parts are kept where this one's are equal (``like``)."""
     check_user_metadata(metadata)
     structure, leaves = flatten(state)
-    if structure == tree:
-        structure = tree
+    structure = like(structure, tree)
     rank_doc = _rankstate.document(rank_state, 0, 1) if rank_state is not None else None
     sources, dtensors = {}, {}
     cuda = False
