@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
@@ -64,14 +65,37 @@ class Root:
 @attrs.frozen
 class Leaf:
     """A leaf node: its keys (sorted, relative to the prefix of the path to it) and, for each,
-    a ``Ref`` to its value or the value itself where it is stored inline."""
+    a ``Ref`` to its value or the value itself where it is stored inline. A rank's leaf holds
+    thousands of keys and a lookup wants one, so a ``Ref`` is made when it is asked for."""
 
     keys: tuple[bytes, ...]
-    values: tuple[Ref | bytes, ...]
+    refs: _Refs
+    inline: dict[int, bytes]  # the values stored in the leaf, by key index
 
     def get(self, key: bytes) -> Ref | bytes | None:
         i = bisect.bisect_left(self.keys, key)
-        return self.values[i] if i < len(self.keys) and self.keys[i] == key else None
+        if i == len(self.keys) or self.keys[i] != key:
+            return None
+        return self.inline[i] if i in self.inline else self.refs.at(i)
+
+
+@attrs.frozen
+class _Refs:
+    """A leaf's out-of-line values as the columns they are stored in: key ``i``'s value is
+    entry ``slots[i]`` of ``ids`` and ``offsets`` (entry ``i`` where ``slots`` is None: no value
+    inline), ``lengths[i]`` bytes long, in data file ``files[ids[...]]``."""
+
+    files: list[str]
+    bases: list[str]
+    ids: list[int]
+    offsets: list[int]
+    lengths: list[int]
+    slots: list[int] | None
+
+    def at(self, i: int) -> Ref:
+        j = i if self.slots is None else self.slots[i]
+        file_id = self.ids[j]
+        return Ref(self.files[file_id], self.offsets[j], self.lengths[i], self.bases[file_id])
 
 
 @attrs.frozen
@@ -124,22 +148,20 @@ class _Cursor:
         Python call per byte."""
         if n < 16:
             return [self.varint() for _ in range(n)]
-        view = np.frombuffer(self.data, np.uint8, offset=self.pos)
+        view = np.frombuffer(self.data, np.uint8, offset=self.pos)[: 10 * n]  # at most 10 bytes each
         ends = np.flatnonzero(view < 0x80)[:n]  # the last byte of each varint
         if len(ends) < n:
             raise Malformed("it ends before its last field")
-        self.pos += int(ends[-1]) + 1
-        if ends[-1] == n - 1:  # every one a single byte
+        size = int(ends[-1]) + 1
+        self.pos += size
+        if size == n:  # every one a single byte
             return view[:n].tolist()
-        starts = np.concatenate(([0], ends[:-1] + 1))
-        widths = ends - starts + 1
-        if widths.max() > 9:
+        starts = np.empty(n, np.int64)
+        starts[0], starts[1:] = 0, ends[:-1] + 1
+        if (ends - starts).max() > 9:  # ten bytes hold 64 bits, as in ``varint``
             raise Malformed("a varint is longer than 64 bits")
-        values = np.zeros(n, np.uint64)
-        for k in range(int(widths.max())):
-            has = widths > k
-            values[has] |= (view[starts[has] + k] & 0x7F).astype(np.uint64) << np.uint64(7 * k)
-        return values.tolist()
+        shifts = 7 * (np.arange(size) - np.repeat(starts, ends - starts + 1)).astype(np.uint64)
+        return np.add.reduceat((view[:size] & 0x7F).astype(np.uint64) << shifts, starts).tolist()
 
     def done(self) -> None:
         if self.pos != len(self.data):
@@ -248,7 +270,7 @@ def decode_node(raw: bytes, transitive: str, height: int) -> Leaf | Interior:
     suffix_lengths = cur.varints(n)
     common = cur.varints(n) if height > 0 else []
     keys = _keys(cur, shared, suffix_lengths)
-    if any(b <= a for a, b in itertools.pairwise(keys)):
+    if not all(map(operator.lt, keys, itertools.islice(keys, 1, None))):
         raise Malformed("a B+tree node's keys are not in increasing order")
     if height > 0:
         if any(c > len(k) for c, k in zip(common, keys)):
@@ -259,27 +281,29 @@ def decode_node(raw: bytes, transitive: str, height: int) -> Leaf | Interior:
         children = tuple(_ref(files, bases, i, o, ln) for i, o, ln in zip(ids, offsets, lengths))
         return Interior(tuple(keys), tuple(common), children)
     value_lengths, kinds = cur.varints(n), cur.varints(n)
-    if any(k not in (0, 1) for k in kinds):
+    out_of_line = kinds.count(1)
+    if out_of_line + kinds.count(0) != n:
         raise Malformed("a B+tree leaf gives a value kind other than inline or out of line")
-    indirect = [i for i in range(n) if kinds[i] == 1]
-    ids, offsets = cur.varints(len(indirect)), cur.varints(len(indirect))
-    values: list[Ref | bytes] = [b""] * n
-    for i, file_id, offset in zip(indirect, ids, offsets):
-        values[i] = _ref(files, bases, file_id, offset, value_lengths[i])
-    for i in range(n):
-        if kinds[i] == 0:
-            values[i] = cur.take(value_lengths[i])
+    ids, offsets = cur.varints(out_of_line), cur.varints(out_of_line)
+    if ids and max(ids) >= len(files):
+        raise Malformed(f"a reference names data file {max(ids)} of a table of {len(files)}")
+    inline = {i: cur.take(value_lengths[i]) for i in range(n) if kinds[i] == 0} if out_of_line < n else {}
     cur.done()
-    return Leaf(tuple(keys), tuple(values))
+    slots = list(itertools.accumulate(kinds, initial=-1))[1:] if inline else None
+    return Leaf(tuple(keys), _Refs(files, bases, ids, offsets, value_lengths, slots), inline)
 
 
 def _keys(cur: _Cursor, shared: list[int], suffix_lengths: list[int]) -> list[bytes]:
+    """A node's keys, each the previous one's first ``shared`` bytes and its own suffix. A
+    merged root's leaf holds tens of thousands, so the loop does no more than join bytes."""
+    suffixes = cur.take(sum(suffix_lengths))
     keys: list[bytes] = []
-    previous = b""
+    previous, pos = b"", 0
     for common, length in zip(shared, suffix_lengths):
         if common > len(previous):
             raise Malformed("a key shares more with the previous key than the previous key holds")
-        previous = previous[:common] + cur.take(length)
+        previous = previous[:common] + suffixes[pos : pos + length]
+        pos += length
         keys.append(previous)
     return keys
 

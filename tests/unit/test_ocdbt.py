@@ -128,6 +128,22 @@ def test_decoding_rejects_truncated_and_trailing_bytes(tmp_path):
             _ocdbt.decode_manifest(bad)
 
 
+def test_a_column_of_varints_decodes_as_each_one_alone():
+    """A node's columns are decoded with NumPy: the same values as one varint at a time, at
+    every width up to 64 bits, and a column that ends early or holds an 11-byte varint is
+    damage."""
+    rng = random.Random(3)
+    values = [0, 1, 127, 128, 2**63, 2**64 - 1] + [rng.randrange(2 ** rng.randrange(1, 65)) for _ in range(500)]
+    raw = _ocdbt._column(values)
+    assert _ocdbt._Cursor(raw).varints(len(values)) == values
+    one_by_one = _ocdbt._Cursor(raw)
+    assert [one_by_one.varint() for _ in values] == values
+    with pytest.raises(_ocdbt.Malformed, match="ends before"):
+        _ocdbt._Cursor(raw[:-1]).varints(len(values))
+    with pytest.raises(_ocdbt.Malformed, match="longer than 64 bits"):
+        _ocdbt._Cursor(b"\x80" * 10 + b"\x01" + raw).varints(len(values))
+
+
 def test_a_packed_local_checkpoint_loads_through_the_own_reader(tmp_path, monkeypatch):
     """No array is opened through TensorStore: the shards are read as byte ranges of the data
     files, with the counts of bytes the plain files' reader keeps."""
