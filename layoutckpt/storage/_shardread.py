@@ -400,9 +400,10 @@ class _BoxFill:
         stride = self.stride
         view = memoryview(data)
         found = [crc32c.crc32c(view[k * stride : k * stride + self.chunk_bytes]) for k in range(count)]
-        stored = np.ndarray((count,), "<u4", data, self.chunk_bytes, (stride,))
-        bad = np.flatnonzero(np.array(found, np.uint32) != stored)
-        return int(bad[0]) if bad.size else None
+        stored = np.ndarray((count,), "<u4", data, self.chunk_bytes, (stride,)).tolist()
+        if found == stored:
+            return None
+        return next(k for k, (a, b) in enumerate(zip(found, stored)) if a != b)
 
     def fetch(self, fd: int, key: str, origin: Sequence[int], runs: list[list[Chunk]], prefetch: bool) -> int:
         """Read each run with one call, check its chunks and copy them out; return the bytes
@@ -544,17 +545,13 @@ class _BoxFill:
             dst[-2] = slice(dst[-2].start, dst[-2].start + rows * inner[-2])
         target = self.items[tuple(dst)]
         # The destination cut into the chunks: (*inner[:-2], rows, inner[-2], cols, inner[-1]),
-        # always a view of it; a 1-D destination is (cols, inner[0]) and ``rows`` is 1.
-        t = target.strides
+        # a view, since it only splits axes; a 1-D destination is (1, cols, inner[0]).
         if nd == 1:
-            shape, tstrides = (1, cols, inner[0]), (0, inner[0] * t[0], t[0])
-            order = (0, 1, 2)
+            shape, order = (1, cols, inner[0]), (0, 1, 2)
         else:
             shape = (*inner[:-2], rows, inner[-2], cols, inner[-1])
-            tstrides = (*t[:-2], inner[-2] * t[-2], t[-2], inner[-1] * t[-1], t[-1])
             order = (*range(2, nd), 0, nd, 1, nd + 1)
-        target = np.lib.stride_tricks.as_strided(target, shape, tstrides)
-        target[...] = src.transpose(order)
+        target.reshape(shape, copy=False)[...] = src.transpose(order)
 
     def place(self, origin: Sequence[int], at: Sequence[int], chunk: np.ndarray | None) -> None:
         """Copy the part of inner chunk ``at`` (of the shard at ``origin``) inside the box to the
