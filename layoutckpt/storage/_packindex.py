@@ -14,6 +14,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 from ..format import _ocdbt
@@ -37,7 +38,7 @@ class PackIndex:
         self.files = files if files is not None else Files(root)
         self._lock = threading.Lock()
         self._tree: _ocdbt.Root | None = None
-        self._nodes: dict[_ocdbt.Ref, _ocdbt.Leaf | _ocdbt.Interior] = {}
+        self._nodes: dict[_ocdbt.Ref, Future[_ocdbt.Leaf | _ocdbt.Interior]] = {}
 
     def locate(self, key: str) -> Extent | None:
         """Where the value of ``key`` lies (None where the database has no such key); ``Inline``
@@ -58,26 +59,34 @@ class PackIndex:
         return None
 
     def tree(self) -> _ocdbt.Root:
-        if self._tree is None:
-            try:
-                raw = _os.read_regular(self.root, MANIFEST, _ocdbt.MAX_NODE_BYTES)
-            except FileNotFoundError:
-                raise Damaged(True, f"the packed checkpoint's {MANIFEST} does not exist") from None
-            except OSError as err:
-                raise Damaged(False, f"the packed checkpoint's {MANIFEST} cannot be read ({err})") from None
-            with _decoding("manifest"):
-                self._tree = _ocdbt.decode_manifest(raw)
-        return self._tree
+        with self._lock:  # every reading thread starts here: one reads the manifest, the rest wait
+            if self._tree is None:
+                try:
+                    raw = _os.read_regular(self.root, MANIFEST, _ocdbt.MAX_NODE_BYTES)
+                except FileNotFoundError:
+                    raise Damaged(True, f"the packed checkpoint's {MANIFEST} does not exist") from None
+                except OSError as err:
+                    raise Damaged(False, f"the packed checkpoint's {MANIFEST} cannot be read ({err})") from None
+                with _decoding("manifest"):
+                    self._tree = _ocdbt.decode_manifest(raw)
+            return self._tree
 
     def node(self, ref: _ocdbt.Ref, height: int) -> _ocdbt.Leaf | _ocdbt.Interior:
-        node = self._nodes.get(ref)
-        if node is None:
-            raw = self._read(ref, "B+tree node")
-            with _decoding("B+tree node"):
-                node = _ocdbt.decode_node(raw, ref.base, height)
-            with self._lock:
-                self._nodes[ref] = node
-        return node
+        """The node at ``ref``, read and decoded once: threads that want it meanwhile wait for
+        it (a merged root's leaf takes tens of milliseconds to decode, under the GIL)."""
+        with self._lock:
+            pending = self._nodes.get(ref)
+            mine = pending is None
+            if mine:
+                pending = self._nodes[ref] = Future()
+        if mine:
+            try:
+                raw = self._read(ref, "B+tree node")
+                with _decoding("B+tree node"):
+                    pending.set_result(_ocdbt.decode_node(raw, ref.base, height))
+            except BaseException as err:  # noqa: BLE001 - a waiter must get any failure, not hang
+                pending.set_exception(err)
+        return pending.result()
 
     def _read(self, ref: _ocdbt.Ref, what: str) -> bytes:
         """``ref``'s bytes, through ``Files`` (as ``open_regular`` opens them): the tree may name

@@ -4,8 +4,10 @@ out-of-line values and databases merged from others, and damage is named, never 
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -126,6 +128,40 @@ def test_decoding_rejects_truncated_and_trailing_bytes(tmp_path):
     for bad in (raw[:10], raw[:-1], raw + b"\0"):
         with pytest.raises(_ocdbt.Malformed):
             _ocdbt.decode_manifest(bad)
+
+
+def test_threads_that_look_up_keys_at_once_read_each_node_once(tmp_path, monkeypatch):
+    """A load's reading threads all start with the root's lookups: one thread reads and decodes
+    each node while the others wait for it, and a node that fails to decode fails them all."""
+    items = _items(400, seed=4, sizes=(300,))
+    _fill(_db(tmp_path, max_inline_value_bytes=0), items.items())
+    decoded = []
+    real = _ocdbt.decode_node
+
+    def slow_decode(raw, transitive, height):
+        decoded.append(height)
+        time.sleep(0.05)  # a merged root's leaf takes this long: the other threads arrive meanwhile
+        return real(raw, transitive, height)
+
+    monkeypatch.setattr(_ocdbt, "decode_node", slow_decode)
+    index = _packindex.PackIndex(tmp_path)
+    keys = list(items)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(index.locate, keys[:8]))
+    assert [_value_at(tmp_path, f) for f in found] == [items[k] for k in keys[:8]]
+    assert len(decoded) == index.tree().height + 1
+
+    def broken(*_):
+        time.sleep(0.05)
+        raise _ocdbt.Malformed("it ends before its last field")
+
+    monkeypatch.setattr(_ocdbt, "decode_node", broken)
+    fresh = _packindex.PackIndex(tmp_path)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        failures = [pool.submit(fresh.locate, k) for k in keys[:4]]
+        for failure in failures:
+            with pytest.raises(_shardread.Damaged, match="B\\+tree node is damaged"):
+                failure.result(timeout=10)
 
 
 def test_a_column_of_varints_decodes_as_each_one_alone():
