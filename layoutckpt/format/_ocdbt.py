@@ -273,13 +273,25 @@ def decode_node(raw: bytes, transitive: str, height: int) -> Leaf | Interior:
     if not all(map(operator.lt, keys, itertools.islice(keys, 1, None))):
         raise Malformed("a B+tree node's keys are not in increasing order")
     if height > 0:
-        if any(c > len(k) for c, k in zip(common, keys)):
-            raise Malformed("a B+tree node's common prefix is longer than its key")
-        ids, offsets, lengths = cur.varints(n), cur.varints(n), cur.varints(n)
-        cur.varints(3 * n)  # statistics
-        cur.done()
-        children = tuple(_ref(files, bases, i, o, ln) for i, o, ln in zip(ids, offsets, lengths))
-        return Interior(tuple(keys), tuple(common), children)
+        return _interior(cur, keys, common, files, bases)
+    return _leaf(cur, keys, files, bases)
+
+
+def _interior(cur: _Cursor, keys: list[bytes], common: list[int], files: list[str], bases: list[str]) -> Interior:
+    """The rest of an interior node after its keys: its children's references."""
+    n = len(keys)
+    if any(c > len(k) for c, k in zip(common, keys)):
+        raise Malformed("a B+tree node's common prefix is longer than its key")
+    ids, offsets, lengths = cur.varints(n), cur.varints(n), cur.varints(n)
+    cur.varints(3 * n)  # statistics
+    cur.done()
+    children = tuple(_ref(files, bases, i, o, ln) for i, o, ln in zip(ids, offsets, lengths))
+    return Interior(tuple(keys), tuple(common), children)
+
+
+def _leaf(cur: _Cursor, keys: list[bytes], files: list[str], bases: list[str]) -> Leaf:
+    """The rest of a leaf after its keys: its values, out of line as columns, inline as bytes."""
+    n = len(keys)
     value_lengths, kinds = cur.varints(n), cur.varints(n)
     out_of_line = kinds.count(1)
     if out_of_line + kinds.count(0) != n:
