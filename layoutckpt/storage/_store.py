@@ -86,6 +86,9 @@ def open_array(
 # A committed checkpoint is never rewritten, so no read of it fails a precondition otherwise.
 # Other codes (an object store that is unreachable, a permission) are no damage and pass through.
 _DAMAGE_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "OUT_OF_RANGE")
+# A packed checkpoint's manifest or B-tree node whose zstd frame is corrupt fails before its
+# crc32c is checked, as ``INVALID_ARGUMENT``, whose message TensorStore gives without its code.
+_UNDECODABLE = "Error decoding "
 
 
 def read_result(future: Any, name: str, where: str) -> Any:
@@ -96,7 +99,7 @@ def read_result(future: Any, name: str, where: str) -> Any:
     except ValueError as err:
         text = str(err)
         code = text.partition(":")[0]
-        if code not in _DAMAGE_CODES:
+        if code not in _DAMAGE_CODES and not text.startswith(_UNDECODABLE):
             raise
         raise damaged(name, where, missing=code == "NOT_FOUND", undecodable=code != "DATA_LOSS", detail=text) from None
 
