@@ -87,7 +87,8 @@ def open_array(
 # Other codes (an object store that is unreachable, a permission) are no damage and pass through.
 _DAMAGE_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "OUT_OF_RANGE")
 # A packed checkpoint's manifest or B-tree node whose zstd frame is corrupt fails before its
-# crc32c is checked, as ``INVALID_ARGUMENT``, whose message TensorStore gives without its code.
+# crc32c is checked, as ``INVALID_ARGUMENT``, whose message TensorStore gives without its code
+# ("Error reading ... of local file ...: Error decoding b-tree node: ZSTD_decompressStream() ...").
 _UNDECODABLE = "Error decoding "
 
 
@@ -99,7 +100,7 @@ def read_result(future: Any, name: str, where: str) -> Any:
     except ValueError as err:
         text = str(err)
         code = text.partition(":")[0]
-        if code not in _DAMAGE_CODES and not text.startswith(_UNDECODABLE):
+        if code not in _DAMAGE_CODES and _UNDECODABLE not in text:
             raise
         raise damaged(name, where, missing=code == "NOT_FOUND", undecodable=code != "DATA_LOSS", detail=text) from None
 

@@ -494,22 +494,25 @@ def test_a_damaged_root_manifest_fails_loads_with_integrity_error(tmp_path, caps
     assert cli(capsys, "verify", path)[0] == 1
 
 
-def test_verify_reports_a_damaged_root_manifest_wherever_the_byte_lies(tmp_path):
-    """Arrays in groups (``l0.w``): ``verify`` reads the group documents from the database first.
-    A flipped byte in the manifest's zstd frame fails before its checksum is checked, where
-    TensorStore's error carries no status code: it is damage all the same."""
+def test_verify_reports_a_damaged_root_database_wherever_the_byte_lies(tmp_path):
+    """Arrays in groups (``l0.w``): ``verify`` reads the group documents through TensorStore
+    first. A flipped byte in the zstd frame of the root's manifest or B-tree node fails before
+    its checksum is checked, where TensorStore's error carries no status code: it is damage
+    all the same, wherever it lies."""
     path = tmp_path / "ck"
     lc.save(path, state_of(3), packing="ocdbt")
-    good = (path / "manifest.ocdbt").read_bytes()
-    for at in range(len(good)):
-        raw = bytearray(good)
-        raw[at] ^= 0x5A
-        (path / "manifest.ocdbt").write_bytes(bytes(raw))
-        try:
-            found = verify(lc.open(path))
-        except lc.IntegrityError:
-            continue
-        assert not found.ok, at
+    for stored in [path / "manifest.ocdbt", *(path / "d").iterdir()]:
+        good = stored.read_bytes()
+        for at in range(len(good)):
+            raw = bytearray(good)
+            raw[at] ^= 0x5A
+            stored.write_bytes(bytes(raw))
+            try:
+                found = verify(lc.open(path))
+            except lc.IntegrityError:
+                continue
+            assert not found.ok, (stored.name, at)
+        stored.write_bytes(good)
 
 
 def test_a_truncated_data_file_is_an_integrity_error(tmp_path):
