@@ -59,6 +59,8 @@ class PackIndex:
         return None
 
     def tree(self) -> _ocdbt.Root:
+        if self._tree is not None:  # every lookup starts here: no lock once it is read
+            return self._tree
         with self._lock:  # every reading thread starts here: one reads the manifest, the rest wait
             if self._tree is None:
                 try:
@@ -74,6 +76,9 @@ class PackIndex:
     def node(self, ref: _ocdbt.Ref, height: int) -> _ocdbt.Leaf | _ocdbt.Interior:
         """The node at ``ref``, read and decoded once: threads that want it meanwhile wait for
         it (a merged root's leaf takes tens of milliseconds to decode, under the GIL)."""
+        pending = self._nodes.get(ref)
+        if pending is not None and pending.done():
+            return pending.result()
         with self._lock:
             pending = self._nodes.get(ref)
             mine = pending is None
