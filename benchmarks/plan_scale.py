@@ -9,7 +9,7 @@ bfloat16 weights and two float32 AdamW moments: 3 arrays per parameter), this me
 
 - **save plan, one rank**: what ``_save._plan_globally`` computes after its collectives (rule lookup,
   spec check, global shape, shard and inner chunk shapes, ``ArrayMeta``, the rank's own box
-  check, ``CheckpointMeta``, ``_plan.writes_of``), timed with ``time.perf_counter`` (median
+  check, the writer rules, ``CheckpointMeta``, ``_plan.writes_of``), timed with ``time.perf_counter`` (median
   over ``--repeats`` ranks), its peak Python allocation (``tracemalloc``) and the growth of the
   process's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``);
 - **load plan, one rank**: for every array, the rule lookup, spec check and ``shard_box`` on the
@@ -266,7 +266,9 @@ def save_plan(s: Scenario, got: Collected, rank: int) -> tuple[CheckpointMeta, l
         metas[leaf.name] = ArrayMeta(name_to_path(leaf.name), pa.shape, leaf.dtype, outer, inner, pa.spec)
     for pa in plan_arrays:  # the rank checks its own shard against the plan
         _plan.box_shape(_plan.shard_box(pa.shape, pa.spec, mesh, rank))
-    meta = CheckpointMeta(metas, s.tree, mesh, s.save.spec_rules, step=1000, all_chunks_stored=True)
+    rules = _plan.writer_rules(plan_arrays, mesh)  # what a packed checkpoint records
+    writers = {pa.name: rule for pa, rule in zip(plan_arrays, rules) if rule is not None}
+    meta = CheckpointMeta(metas, s.tree, mesh, s.save.spec_rules, step=1000, all_chunks_stored=True, writers=writers)
     return meta, _plan.writes_of(plan_arrays, mesh, rank)
 
 

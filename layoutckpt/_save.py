@@ -386,6 +386,7 @@ def _job(
     ``ids`` are the save's token and id: every shard is bound to the id (the cached plan's array
     documents are another save's, so they are bound afresh)."""
     token, save_id = ids
+    packing = _packs.choose(options.packing, planned.metas.values())
     meta = CheckpointMeta(
         arrays=dict(planned.metas),
         tree=planned.tree,
@@ -396,7 +397,9 @@ def _job(
         library_version=__version__,
         rank_state_world=comm.world if checked.rank_doc is not None else None,
         all_chunks_stored=True,
-        packing=_packs.choose(options.packing, planned.metas.values()),
+        packing=packing,
+        # Rules only help a reader of a packed checkpoint of several ranks' databases.
+        writers=planned.writers if packing != "files" and comm.world > 1 else {},
     ).bound(save_id)
     mine = [(checked.arrays[i].name, box) for i, box, _ in planned.regular]
     sources = [_part(source_of(checked.arrays[i]), where) for i, _, where in planned.regular]
@@ -492,6 +495,8 @@ class _Planned:
     # (index into the arrays, box) of each shard this rank writes, and where in its piece it lies.
     regular: list[tuple[int, _plan.Box, tuple[slice, ...] | None]]
     flat_shards: list[list[tuple[int, ...]]]
+    # Each regular array's writer rule, where one holds (a packed checkpoint records them).
+    writers: dict[str, tuple[int, int]]
     tree: Any = None  # the tree of the last save that used the plan
 
 
@@ -572,7 +577,11 @@ def _plan_globally(comm: Comm, what: _ToPlan, token: int) -> _Planned:
     except InconsistentShardsError as err:
         error = err
     agree(comm, error, [])
-    return _Planned(token, metas, _writes(plan_arrays, what.mesh, comm.rank), flat_shards)
+    # Rank 0 writes the root document, the rules' one reader: at 16,384 ranks they cost it
+    # about 0.15 s (once per state, with the plan).
+    rules = _plan.writer_rules(plan_arrays, what.mesh) if comm.rank == 0 else []
+    writers = {a.name: rule for a, rule in zip(plan_arrays, rules) if rule is not None}
+    return _Planned(token, metas, _writes(plan_arrays, what.mesh, comm.rank), flat_shards, writers)
 
 
 def _writes(

@@ -71,7 +71,7 @@ def export_zarr(src: Where, dst: Where, *, overwrite: bool = False, progress: Pr
         copied = _copy_database(source, staging, meta, progress)
         copied += _copy_plain(source, staging, meta)
         staging.make_durable()
-        final.commit(staging, root_document(attrs.evolve(meta, packing="files")), overwrite=overwrite)
+        final.commit(staging, root_document(attrs.evolve(meta, packing="files", writers={})), overwrite=overwrite)
     except BaseException:
         staging.discard()
         raise

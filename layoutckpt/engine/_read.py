@@ -86,6 +86,7 @@ def read_boxes(
     stats = stats if stats is not None else ReadStats()
     # An empty box reads nothing but still yields its (empty) destination, in its place.
     planned = [(r, reader.pieces(r.meta, r.box, stream=stream) if box_size(r.box) else []) for r in requests]
+    reader.expect([(r.meta, r.box) for r, pieces in planned if pieces])
     start = time.perf_counter()
     try:
         if sum(len(pieces) for _, pieces in planned) <= 1:

@@ -284,6 +284,10 @@ class CheckpointMeta:
     # The id of the save that wrote the shards (12 to 32 lowercase hex digits), which each
     # shard's binding block names (format version 6 on); None: the shards are not bound.
     save_id: str | None = None
+    # A packed checkpoint's writer rules: ``{array: (start, step)}``, the shard at C-order index
+    # ``i`` of the array's grid written by rank ``start + step * i`` into its own database under
+    # ``packs/`` (section 3.1). A hint for readers, absent where no rule holds.
+    writers: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)
 
     @property
     def packed(self) -> bool:
@@ -313,6 +317,8 @@ class CheckpointMeta:
             optional["all_chunks_stored"] = True
         if self.save_id is not None:
             optional[SAVE_ID_KEY] = self.save_id
+        if self.writers:
+            optional["writers"] = {name: list(rule) for name, rule in self.writers.items()}
         return {
             "format_version": self.format_version,
             "library_version": self.library_version,
@@ -374,6 +380,7 @@ class CheckpointMeta:
                 all_chunks_stored=d.get("all_chunks_stored") is True,
                 packing=_packing(d.get("packing", "files"), version, where),
                 save_id=save_id,
+                writers=_writer_rules(d.get("writers", {}), arrays, where),
             )
         except FormatError:
             raise
@@ -393,6 +400,25 @@ def _packing(packing: Any, version: int, where: str) -> str:
             f"{where}: unknown packing {packing!r} for format version {version} (expected one of {PACKINGS})"
         )
     return packing
+
+
+def _writer_rules(rules: Any, arrays: Mapping[str, ArrayMeta], where: str) -> dict[str, tuple[int, int]]:
+    if not isinstance(rules, Mapping):
+        raise FormatError(f"{where}: writers must be an object, got {type(rules).__name__}")
+    out = {}
+    for name, rule in rules.items():
+        if (
+            name not in arrays
+            or not isinstance(rule, list)
+            or len(rule) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in rule)
+        ):
+            raise FormatError(
+                f"{where}: writers names {str(name)[:80]!r} with {str(rule)[:80]!r}; expected a stored "
+                "array and [start, step]; the checkpoint's metadata is corrupt"
+            )
+        out[name] = (rule[0], rule[1])
+    return out
 
 
 def _save_id(save_id: Any, version: int, where: str) -> str | None:

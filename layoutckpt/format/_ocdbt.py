@@ -229,8 +229,9 @@ def _ref(files: list[str], bases: list[str], file_id: int, offset: int, length: 
     return Ref(files[file_id], offset, length, bases[file_id])
 
 
-def decode_manifest(raw: bytes) -> Root:
-    """The newest version's root, from an encoded ``manifest.ocdbt``."""
+def decode_manifest(raw: bytes, transitive: str = "") -> Root:
+    """The newest version's root, from an encoded ``manifest.ocdbt`` at ``transitive`` (the
+    database's directory, relative to where its paths are opened)."""
     cur = _body(raw, MANIFEST_MAGIC, "manifest")
     cur.take(16)  # the database's uuid
     if cur.varint() != 0:
@@ -239,7 +240,7 @@ def decode_manifest(raw: bytes) -> Root:
     arity_log2 = cur.byte()
     if cur.varint() != 0:  # compression method: zstd's level follows
         cur.take(4)
-    files, bases = _files(cur, "")
+    files, bases = _files(cur, transitive)
     n = cur.varint()
     if n == 0:
         return Root(None, 0)

@@ -473,6 +473,51 @@ def assign_writers(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[np.ndarray]:
     return out
 
 
+def writer_rules(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[tuple[int, int] | None]:
+    """For every array, ``(start, step)`` where the rank that writes each of its stored shards
+    is ``start + step * i``, ``i`` the shard's index in C order over its grid; None where no
+    such rule holds (shards cut from replicated pieces go to the least-loaded replicas).
+
+    An array stored as one shard has one, and so does an array without replicas whose spec
+    names the mesh's axes in the mesh's order (FSDP, tensor parallelism alone). A reader of a packed checkpoint uses it to find a shard in its
+    writer's own index, which holds a world's fraction of the keys (``storage/_packindex``).
+    """
+    out: list[tuple[int, int] | None] = []
+    for a, split, by_piece in zip(arrays, _splits(tuple(arrays), mesh), _writers(arrays, mesh)):
+        out.append(_writer_rule(a, a.mesh or mesh, split, by_piece) if by_piece.shape[1] == 1 else None)
+    return out
+
+
+def _writer_rule(a: ArraySpec, mesh: Mesh, split: Split, by_piece: np.ndarray) -> tuple[int, int] | None:
+    """``writer_rules`` of one array whose pieces are stored whole (shard ``i`` is piece ``i``
+    but for pieces past the array's end, which are empty and have no writer)."""
+    writers = by_piece[:, 0]
+    counts = split_counts(len(a.shape), a.spec, mesh)
+    grid = tuple(-(-n // s) if s else 0 for n, s in zip(a.shape, split.shard))
+    if grid == counts:  # the common case: every piece is a shard (an affine rule: none empty)
+        rule = _affine(np.arange(len(writers)), writers)
+        return rule if rule is not None and writers[-1] >= 0 else None
+    coords = np.unravel_index(np.arange(len(writers)), counts) if counts else ()
+    stored = writers >= 0
+    for c, g in zip(coords, grid):
+        stored &= c < g
+    if not stored.any():
+        return None
+    cells = np.ravel_multi_index(tuple(c[stored] for c in coords), grid) if grid else np.zeros(1, np.int64)
+    return _affine(cells, writers[stored])
+
+
+def _affine(x: np.ndarray, y: np.ndarray) -> tuple[int, int] | None:
+    """``(start, step)`` with ``y == start + step * x`` throughout, or None."""
+    if len(x) == 0:
+        return None
+    step = 0 if len(x) == 1 else int(y[1] - y[0]) // max(int(x[1] - x[0]), 1)
+    start = int(y[0]) - step * int(x[0])
+    if start < 0 or (len(x) > 2 and y[2] != start + step * x[2]):  # most misses show at once
+        return None
+    return (start, step) if np.array_equal(y, start + step * x) else None
+
+
 def writes_of(arrays: Sequence[ArraySpec], mesh: Mesh, rank: int) -> list[tuple[int, Box]]:
     """(array index, box) of every stored shard that ``rank`` writes.
 

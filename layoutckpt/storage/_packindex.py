@@ -6,22 +6,54 @@ checkpoint as it reads a plain one (only the index and the inner chunks a box ne
 into the destination) instead of going through TensorStore. ``PackIndex`` walks the B+tree on
 demand: a lookup reads the nodes on the path to its key, each once per index, so a partial
 read of one array reads a few small nodes, not the whole tree.
+
+The merged root orders keys by array, so a rank's shards of an FSDP-style state lie in every one
+of its leaves: at 16,384 ranks each loading rank would read and decode tens of leaves of 75,000
+keys for its few hundred. Each writer's own database, under ``packs/``, holds its share of the
+keys only. ``Router`` looks a load's shards up there where the checkpoint records which rank
+wrote them (its writer rules) and few ranks did, and in the merged root otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
+import math
 import os
 import threading
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..format import _ocdbt
 from . import _os
 from ._shardread import Damaged, Extent, Files
 
+if TYPE_CHECKING:
+    from ..format._format import ArrayMeta
+    from ..layout._plan import Box
+
 MANIFEST = "manifest.ocdbt"
+# Where rank r's database lies until the commit merges it (its data files stay there).
+PACKS = "packs"
+
+
+def rank_base(rank: int) -> str:
+    return f"{PACKS}/{rank:05d}"
+
+
+_counts_lock = threading.Lock()
+_nodes_read: Counter[str] = Counter()  # B+tree nodes read in this process, by database directory
+
+
+def nodes_read() -> dict[str, int]:
+    """B+tree nodes this process has read, by the directory of their database under the
+    checkpoint ("" for the merged root): what tests and demos count."""
+    with _counts_lock:
+        return dict(_nodes_read)
 
 
 class Inline(Exception):
@@ -31,14 +63,17 @@ class Inline(Exception):
 
 class PackIndex:
     """The B+tree of the packed checkpoint at ``root``, decoded as lookups need its nodes, which
-    it reads through ``files`` (a reader's: the nodes lie in the data files its shards do)."""
+    it reads through ``files`` (a reader's: the nodes lie in the data files its shards do).
+    ``base`` is the directory of another database under ``root`` (a writer's, ``packs/RRRRR/``)."""
 
-    def __init__(self, root: Path, files: Files | None = None) -> None:
+    def __init__(self, root: Path, files: Files | None = None, base: str = "") -> None:
         self.root = root
         self.files = files if files is not None else Files(root)
+        self.base = base
         self._lock = threading.Lock()
         self._tree: _ocdbt.Root | None = None
         self._nodes: dict[_ocdbt.Ref, Future[_ocdbt.Leaf | _ocdbt.Interior]] = {}
+        self._decoded: dict[_ocdbt.Ref, _ocdbt.Leaf | _ocdbt.Interior] = {}
 
     def locate(self, key: str) -> Extent | None:
         """Where the value of ``key`` lies (None where the database has no such key); ``Inline``
@@ -63,22 +98,23 @@ class PackIndex:
             return self._tree
         with self._lock:  # every reading thread starts here: one reads the manifest, the rest wait
             if self._tree is None:
+                name = self.base + MANIFEST
                 try:
-                    raw = _os.read_regular(self.root, MANIFEST, _ocdbt.MAX_NODE_BYTES)
+                    raw = _os.read_regular(self.root, name, _ocdbt.MAX_NODE_BYTES)
                 except FileNotFoundError:
-                    raise Damaged(True, f"the packed checkpoint's {MANIFEST} does not exist") from None
+                    raise Damaged(True, f"the packed checkpoint's {name} does not exist") from None
                 except OSError as err:
-                    raise Damaged(False, f"the packed checkpoint's {MANIFEST} cannot be read ({err})") from None
+                    raise Damaged(False, f"the packed checkpoint's {name} cannot be read ({err})") from None
                 with _decoding("manifest"):
-                    self._tree = _ocdbt.decode_manifest(raw)
+                    self._tree = _ocdbt.decode_manifest(raw, self.base)
             return self._tree
 
     def node(self, ref: _ocdbt.Ref, height: int) -> _ocdbt.Leaf | _ocdbt.Interior:
         """The node at ``ref``, read and decoded once: threads that want it meanwhile wait for
         it (a merged root's leaf takes tens of milliseconds to decode, under the GIL)."""
-        pending = self._nodes.get(ref)
-        if pending is not None and pending.done():
-            return pending.result()
+        decoded = self._decoded.get(ref)  # every lookup passes here: no lock once it is decoded
+        if decoded is not None:
+            return decoded
         with self._lock:
             pending = self._nodes.get(ref)
             mine = pending is None
@@ -87,8 +123,11 @@ class PackIndex:
         if mine:
             try:
                 raw = self._read(ref, "B+tree node")
+                with _counts_lock:
+                    _nodes_read[self.base] += 1
                 with _decoding("B+tree node"):
-                    pending.set_result(_ocdbt.decode_node(raw, ref.base, height))
+                    self._decoded[ref] = decoded = _ocdbt.decode_node(raw, ref.base, height)
+                pending.set_result(decoded)
             except BaseException as err:  # noqa: BLE001 - a waiter must get any failure, not hang
                 pending.set_exception(err)
         return pending.result()
@@ -112,6 +151,99 @@ class PackIndex:
         if len(raw) != ref.length:
             raise Damaged(False, f"the packed checkpoint's {what} in {ref.path} is cut short")
         return raw
+
+
+class Router:
+    """Lookups of a packed checkpoint's keys (``locate``): in the database of the rank that
+    wrote a shard where a load's ``expect`` found few such ranks, else in the merged root.
+
+    ``rules`` maps an array's path to its writer rule ``(start, step)``: the shard at C-order
+    index ``i`` of its grid is in the database of rank ``start + step * i`` of ``world``. A
+    load whose shards lie in at most half the writers' databases reads those: each holds about
+    ``1 / world`` of the keys, so they hold fewer than the merged root's leaves such a load
+    touches (all of them, for a rank's share of an FSDP state). A key its writer's database
+    lacks, or a database that is missing or does not decode, is looked up in the merged root,
+    which holds every key and is what a checkpoint's integrity rests on."""
+
+    def __init__(self, root: Path, files: Files, rules: Mapping[str, tuple[int, int]], world: int) -> None:
+        self.root, self.files, self.rules, self.world = root, files, rules, world
+        self.merged = PackIndex(root, files)
+        self._lock = threading.Lock()
+        # The arrays whose keys are looked up in their writers' databases: (start, step, the
+        # strides of their shard grids, the chunk key's separator).
+        self._routed: dict[str, tuple[int, int, tuple[int, ...], str]] = {}
+        self._writers: dict[int, PackIndex | None] = {}  # None: passed over
+
+    def expect(self, boxes: Iterable[tuple[ArrayMeta, Box]]) -> None:
+        """Route the arrays of these boxes to their writers' databases where their shards lie
+        in at most half of them."""
+        routed: dict[str, tuple[int, int, tuple[int, ...], str]] = {}
+        writers: set[int] = set()
+        for meta, box in boxes:
+            rule = self.rules.get(meta.path)
+            if rule is None:
+                continue
+            shards = _cells(meta.shape, meta.shard_shape, box)
+            if shards is None:
+                return
+            strides, cells = shards
+            writers.update(rule[0] + rule[1] * i for i in cells)
+            if 2 * len(writers) > self.world:
+                return
+            routed[meta.path] = (*rule, strides, meta.separator)
+        with self._lock:
+            self._routed.update(routed)
+
+    def locate(self, key: str) -> Extent | None:
+        """``PackIndex.locate`` of ``key``, in its writer's database where ``expect`` routed it."""
+        path, _, chunk = key.rpartition("/")
+        route = self._routed.get(path)
+        found = None if route is None else self._in_writer(_writer_of(chunk, *route), key)
+        return found if found is not None else self.merged.locate(key)
+
+    def _in_writer(self, rank: int, key: str) -> Extent | None:
+        """``key`` in rank ``rank``'s database; None where it is not there, the rank is out of
+        range, or its database is missing or does not decode (then passed over from now on)."""
+        if not 0 <= rank < self.world:
+            return None
+        index = self._writers.get(rank)
+        if index is None and rank not in self._writers:
+            with self._lock:
+                index = self._writers.setdefault(rank, PackIndex(self.root, self.files, rank_base(rank) + "/"))
+        if index is None:
+            return None
+        try:
+            return index.locate(key)
+        except (Damaged, Inline, _ocdbt.Unsupported):
+            self._writers[rank] = None
+            return None
+
+
+# A box that touches more shards than this is read through the merged root, where one array's
+# keys lie together: a large read, whose shards' writers are many.
+MOST_ROUTED_CELLS = 4096
+
+
+# A model's arrays repeat a few shapes, and a load reads the same box of each: worked out once.
+@functools.lru_cache(maxsize=256)
+def _cells(shape: tuple[int, ...], shard: tuple[int, ...], box: Box) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The C-order strides of the shard grid of an array of ``shape``, and the C-order indices
+    of the shards that ``box`` touches; None above ``MOST_ROUTED_CELLS`` of them."""
+    ranges = [range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard)]
+    if math.prod(len(r) for r in ranges) > MOST_ROUTED_CELLS:
+        return None
+    grid = [-(-n // s) for n, s in zip(shape, shard)]
+    strides = [1] * len(grid)
+    for d in range(len(grid) - 2, -1, -1):
+        strides[d] = strides[d + 1] * grid[d + 1]
+    cells = tuple(sum(c * k for c, k in zip(cell, strides)) for cell in itertools.product(*ranges))
+    return tuple(strides), cells
+
+
+def _writer_of(chunk: str, start: int, step: int, strides: tuple[int, ...], separator: str) -> int:
+    """The rank that wrote the shard of chunk key ``chunk`` (``c.0.1``) by its writer rule."""
+    cell = chunk.split(separator)[1:]
+    return start + step * sum(int(c) * k for c, k in zip(cell, strides))
 
 
 @contextlib.contextmanager

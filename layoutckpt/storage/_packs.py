@@ -22,7 +22,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -36,6 +36,7 @@ from ..format import _ocdbt
 from ..layout._plan import Box, shard_cell
 from . import _os, _packindex, _shardfile, _store
 from ._location import MAX_DOCUMENT_BYTES, LocalDir
+from ._packindex import rank_base
 from ._readers import BoxReader, PackedFileReader, TensorStoreReader
 from ._writers import BoxWriter, Source, staged_size
 
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
     from ..format._format import ArrayMeta, CheckpointMeta
     from ._location import Location
 
-# Where rank r's database lies until the commit merges it (its data files stay there).
-PACKS = "packs"
 # ``packing="auto"`` packs a checkpoint of more objects than this; a smaller one stays plain
 # files, which plain zarr-python reads.
 PACK_ABOVE_OBJECTS = 1000
@@ -56,10 +55,6 @@ def in_pack(key: str) -> bool:
     return key != "zarr.json" and not key.startswith(".")
 
 
-def rank_base(rank: int) -> str:
-    return f"{PACKS}/{rank:05d}"
-
-
 def database(location: Location, rel: str = "") -> dict[str, Any]:
     """The kvstore spec of the OCDBT database whose files lie at ``rel`` under ``location``."""
     return {"driver": "ocdbt", "base": location.kvstore(rel)}
@@ -67,10 +62,13 @@ def database(location: Location, rel: str = "") -> dict[str, Any]:
 
 @attrs.frozen
 class PackView:
-    """What TensorStore needs of a location to open arrays in a database: ``kvstore``."""
+    """What TensorStore needs of a location to open arrays in a database: ``kvstore``.
+    ``writers`` and ``world``: the checkpoint's writer rules by array path, and its ranks."""
 
     location: Location
     base: str = ""
+    writers: Mapping[str, tuple[int, int]] = attrs.field(factory=dict, eq=False)
+    world: int = 0
 
     def kvstore(self, rel: str = "") -> dict[str, Any]:
         return {**database(self.location, self.base), "path": rel.rstrip("/") + "/" if rel else ""}
@@ -95,13 +93,16 @@ class PackView:
         data files; elsewhere TensorStore, through the database."""
         through = TensorStoreReader(self, where, complete, io)
         if isinstance(self.location, LocalDir) and not self.base:
-            return PackedFileReader(self.location.root, where, complete, io, through)
+            return PackedFileReader(self.location.root, where, complete, io, through, self.writers, self.world)
         return through
 
 
 def arrays_of(location: Location, meta: CheckpointMeta) -> Location | PackView:
     """Where a checkpoint's arrays and documents are read: ``kvstore``, ``read``, ``box_reader``."""
-    return PackView(location) if meta.packed else location
+    if not meta.packed:
+        return location
+    writers = {meta.arrays[name].path: rule for name, rule in meta.writers.items()}
+    return PackView(location, writers=writers, world=meta.mesh.size)
 
 
 class PackWriter(BoxWriter):

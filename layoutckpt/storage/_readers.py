@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,9 @@ class BoxReader(abc.ABC):
         elsewhere (to a GPU) with no read into a buffer of its own; None where it holds none."""
         return None
 
+    def expect(self, boxes: Sequence[tuple[ArrayMeta, Box]]) -> None:  # noqa: B027 - most readers plan nothing
+        """Learn the boxes about to be read, before any is: a reader may plan its lookups."""
+
     def start(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> Pending:
         """``read`` put in flight; only for readers that do not block."""
         raise NotImplementedError(f"{type(self).__name__} reads block; run read() on a thread")
@@ -137,12 +141,26 @@ class PackedFileReader(ShardFileReader):
     """A local packed checkpoint, read from its data files as a plain one is from its shard
     files: the shards' byte ranges come from the database's B+tree (``_packindex``). A shard
     stored inside its leaf (packs written by earlier releases) or a database in a form
-    ``_packindex`` does not read goes through ``fallback``."""
+    ``_packindex`` does not read goes through ``fallback``. ``writers`` and ``world``: the
+    checkpoint's writer rules by array path, and its ranks (``_packindex.Router``)."""
 
-    def __init__(self, root: Path, where: str, complete: bool, io: IOConfig, fallback: BoxReader) -> None:
+    def __init__(
+        self,
+        root: Path,
+        where: str,
+        complete: bool,
+        io: IOConfig,
+        fallback: BoxReader,
+        writers: Mapping[str, tuple[int, int]] | None = None,
+        world: int = 0,
+    ) -> None:
         super().__init__(root, where, complete, io)
-        self.locate = _packindex.PackIndex(root, self.files).locate
+        self.index = _packindex.Router(root, self.files, writers or {}, world)
+        self.locate = self.index.locate
         self.fallback = fallback
+
+    def expect(self, boxes: Sequence[tuple[ArrayMeta, Box]]) -> None:
+        self.index.expect(boxes)
 
     def read(self, name: str, meta: ArrayMeta, box: Box, out: np.ndarray, *, prefetch: bool = False) -> int:
         try:

@@ -460,6 +460,15 @@ CORRUPTIONS = {
     "bad step": (lambda p: _edit_root(p, lambda d: _attrs(d).update(step="7")), ["step"]),
     "bad mesh": (lambda p: _edit_root(p, lambda d: _attrs(d).update(mesh={"tp": 2})), ["mesh"]),
     "malformed mesh entry": (lambda p: _edit_root(p, lambda d: _attrs(d).update(mesh=[["tp", 2], "x"])), ["mesh"]),
+    "writers not an object": (lambda p: _edit_root(p, lambda d: _attrs(d).update(writers=[0, 1])), ["writers"]),
+    "writers name a missing array": (
+        lambda p: _edit_root(p, lambda d: _attrs(d).update(writers={"nope": [0, 1]})),
+        ["writers", "'nope'", "[start, step]"],
+    ),
+    "writer rule malformed": (
+        lambda p: _edit_root(p, lambda d: _attrs(d).update(writers={"model.w": [0, "1"]})),
+        ["writers", "'model.w'", "[start, step]"],
+    ),
     "tree names a missing array": (
         lambda p: _edit_root(p, lambda d: _attrs(d)["arrays"].pop("model.w")),
         ["tree and the arrays table disagree", "'model.w'", "corrupt"],

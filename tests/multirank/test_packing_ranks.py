@@ -4,7 +4,8 @@
 What this file proves: 400 arrays split FSDP-style over 4 ranks (1600 shards, ``packing="auto"``
 packs them) are a handful of files per rank and at the root, where the same state in plain files
 is a file per shard; the packed checkpoint loads bit for bit under another mesh on 2 ranks and
-whole in one plain process; per-rank documents stay plain files; and a rank that writes no box
+whole in one plain process, and under its own mesh each rank reads its own database's index
+only; per-rank documents stay plain files; and a rank that writes no box
 at all still commits a packed checkpoint that loads.
 """
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import layoutckpt as lc
-from layoutckpt.storage import _packs
+from layoutckpt.storage import _packindex, _packs
 from tests.support.multirank import RankPool
 
 N = 400
@@ -55,6 +56,15 @@ def _save(rank, group, path, packing):
     state["step"] = 5
     result = lc.save(path, state, SAVE_LAYOUT, group=group, packing=packing, rank_state={"rank": rank})
     return result.arrays_written
+
+
+def _load_fsdp(rank, group, path):
+    """This rank's rows again, and the B+tree nodes read, by database, meanwhile."""
+    before = _packindex.nodes_read()
+    like = {f"l{i}": {"w": torch.zeros(2, 6, dtype=full(i).dtype)} for i in range(N)}
+    out = lc.load(path, SAVE_LAYOUT, like={**like, "step": 0}, group=group)
+    nodes = {base: n - before.get(base, 0) for base, n in _packindex.nodes_read().items() if n != before.get(base, 0)}
+    return [i for i in range(N) if not same(out[f"l{i}"]["w"], full(i).chunk(4)[rank])], nodes
 
 
 def _load_tp2(rank, group, path):
@@ -110,6 +120,12 @@ def test_fsdp_packed_is_a_few_files_per_rank_and_loads_under_another_mesh(ranks:
     assert counts["hidden"] >= 4, counts  # each rank's state, a plain file
     assert len(relative(path)) < 1600 // 10, counts
     assert not list(path.glob("**/c.*"))
+
+    # Under the mesh it was saved with, each rank finds its shards in its own database: a
+    # quarter of the keys, where the merged root holds them all.
+    assert rd.meta.writers == {f"l{i}.w": (0, 1) for i in range(N)}
+    for r, (bad, nodes) in enumerate(ranks.run(_load_fsdp, 4, str(path))):
+        assert bad == [] and nodes == {f"{_packs.rank_base(r)}/": 1}, nodes
 
     # Under another mesh on 2 ranks, and whole in one plain process.
     for r, (bad, step, rank_state) in enumerate(ranks.run(_load_tp2, 2, str(path))):

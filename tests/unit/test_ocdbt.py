@@ -8,6 +8,7 @@ import concurrent.futures
 import os
 import random
 import time
+import types
 
 import numpy as np
 import pytest
@@ -243,3 +244,64 @@ def test_an_empty_encoded_database_has_no_keys(tmp_path, monkeypatch):
     _encoded_db(tmp_path / "db", {}, 1 << 20, monkeypatch)
     assert _db(tmp_path / "db").list().result() == []
     assert _packindex.PackIndex(tmp_path / "db").locate("a/c/0") is None
+
+
+def _fsdp_pack(tmp_path, world=4, arrays=30):
+    """A packed checkpoint's index as a save of ``arrays`` arrays split row-wise over ``world``
+    ranks makes it: rank r's database holds shard ``c.r.0`` of every array, then the merge."""
+    values = {}
+    for r in range(world):
+        items = {f"a{j}/c.{r}.0": os.urandom(64 + j) for j in range(arrays)}
+        _fill(_db(tmp_path / _packs.rank_base(r), max_inline_value_bytes=0), items.items())
+        values.update(items)
+    _packs.merge(locate(str(tmp_path)), world)
+    metas = [
+        types.SimpleNamespace(path=f"a{j}", shape=(2 * world, 3), shard_shape=(2, 3), separator=".")
+        for j in range(arrays)
+    ]
+    return values, metas
+
+
+def _lookups(tmp_path, rules, world, boxes, keys):
+    """Each key's value through a ``Router`` that expected ``boxes``, and the B+tree nodes read
+    per database meanwhile."""
+    before = _packindex.nodes_read()
+    router = _packindex.Router(tmp_path, _shardread.Files(tmp_path), rules, world)
+    router.expect(boxes)
+    got = {key: _value_at(tmp_path, router.locate(key)) for key in keys}
+    after = _packindex.nodes_read()
+    return got, {base: n - before.get(base, 0) for base, n in after.items() if n != before.get(base, 0)}
+
+
+def test_a_load_of_one_writers_shards_reads_its_database_not_the_merged_root(tmp_path):
+    """Rank 2's rows of every array: found in rank 2's database, one node read, none of the
+    merged root's. Rows of three of the four ranks: through the merged root, as before."""
+    values, metas = _fsdp_pack(tmp_path)
+    rules = {m.path: (0, 1) for m in metas}
+    keys = [f"{m.path}/c.2.0" for m in metas]
+    got, nodes = _lookups(tmp_path, rules, 4, [(m, ((4, 6), (0, 3))) for m in metas], keys)
+    assert got == {k: values[k] for k in keys}
+    assert nodes == {"packs/00002/": 1}
+    keys = [f"{m.path}/c.{r}.0" for m in metas for r in range(3)]
+    got, nodes = _lookups(tmp_path, rules, 4, [(m, ((0, 6), (0, 3))) for m in metas], keys)
+    assert got == {k: values[k] for k in keys}
+    assert set(nodes) == {""}
+
+
+@pytest.mark.parametrize("harm", ["wrong rule", "missing database", "damaged database"])
+def test_a_shard_its_writers_database_does_not_give_is_found_in_the_merged_root(tmp_path, harm):
+    """The merged root holds every key: a rule that names another rank, or a writer's database
+    that is gone or does not decode, costs a lookup there, never a wrong or missing shard."""
+    values, metas = _fsdp_pack(tmp_path)
+    rules = {m.path: (1, 0) if harm == "wrong rule" else (0, 1) for m in metas}
+    manifest = tmp_path / _packs.rank_base(2) / _packindex.MANIFEST
+    if harm == "missing database":
+        manifest.unlink()
+    elif harm == "damaged database":
+        raw = bytearray(manifest.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        manifest.write_bytes(bytes(raw))
+    keys = [f"{m.path}/c.2.0" for m in metas]
+    got, nodes = _lookups(tmp_path, rules, 4, [(m, ((4, 6), (0, 3))) for m in metas], keys)
+    assert got == {k: values[k] for k in keys}
+    assert nodes.get("", 0) >= 1

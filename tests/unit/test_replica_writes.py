@@ -100,3 +100,48 @@ def test_every_stored_shard_has_one_writer_holding_it(case) -> None:
         _plan.MIN_SPLIT_BYTES = original
         _plan._splits_cached.cache_clear()
         _plan._writers_by_piece.cache_clear()
+
+
+@given(states())
+def test_a_writer_rule_names_the_writer_of_every_stored_shard(case) -> None:
+    """Where ``writer_rules`` gives an array a rule, the rank it names for each stored shard is
+    the one that writes it: a reader of a packed checkpoint looks the shard up in that rank's
+    database. Arrays of one shard have one, and so do arrays without replicas whose spec names
+    the mesh's axes in its order (all that ``states`` draws)."""
+    mesh, arrays = case
+    _plan._splits_cached.cache_clear()
+    _plan._writers_by_piece.cache_clear()
+    original = _plan.MIN_SPLIT_BYTES
+    _plan.MIN_SPLIT_BYTES = 64
+    try:
+        shards = _plan.stored_shards(arrays, mesh)
+        rules = _plan.writer_rules(arrays, mesh)
+        for rank in range(mesh.size):
+            for i, box in _plan.writes_of(arrays, mesh, rank):
+                if rules[i] is not None:
+                    a, (start, step) = arrays[i], rules[i]
+                    cell = _plan.shard_cell(box, a.shape, shards[i])
+                    grid = [math.ceil(n / s) for n, s in zip(a.shape, shards[i])]
+                    assert start + step * int(np.ravel_multi_index(cell, grid)) == rank, (a, cell, rules[i])
+        for a, shard, rule in zip(arrays, shards, rules):
+            stored = math.prod(math.ceil(n / s) if n else 0 for n, s in zip(a.shape, shard))
+            alone = _plan._replica_count(a, mesh) == 1
+            assert rule is not None or not (alone or stored == 1) or stored == 0, (a, shard)
+    finally:
+        _plan.MIN_SPLIT_BYTES = original
+        _plan._splits_cached.cache_clear()
+        _plan._writers_by_piece.cache_clear()
+
+
+def test_fsdp_and_tensor_parallel_shards_are_written_by_rank_cell_order() -> None:
+    mesh = lc.Mesh({"dp": 2, "tp": 4})
+    arrays = [
+        _plan.ArraySpec("fsdp", (64, 8), lc.P(("dp", "tp")), 4),
+        _plan.ArraySpec("tp2d", (64, 8), lc.P("dp", "tp"), 4),
+        _plan.ArraySpec("norm", (8,), lc.P(), 4),
+        _plan.ArraySpec("swapped", (64, 8), lc.P("tp", "dp"), 4),  # rank order is not cell order
+    ]
+    rules = _plan.writer_rules(arrays, mesh)
+    assert rules[:2] == [(0, 1), (0, 1)]
+    assert rules[2] is not None and rules[2][1] == 0  # one shard, by one rank
+    assert rules[3] is None
