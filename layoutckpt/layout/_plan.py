@@ -261,6 +261,15 @@ def _replicas(mesh: Mesh, axes: tuple[str, ...]) -> np.ndarray:
     return np.arange(mesh.size, dtype=np.int64).reshape(sizes).transpose(order).reshape(pieces, -1)
 
 
+@functools.lru_cache(maxsize=64)
+def piece_holders(mesh: Mesh, axes: tuple[str, ...]) -> np.ndarray:
+    """``_replicas``, read-only and worked out once: the ranks that may have written each piece
+    of an array whose spec names ``axes`` (a reader of a packed checkpoint asks per array)."""
+    out = _replicas(mesh, axes)
+    out.flags.writeable = False
+    return out
+
+
 def _holders(
     group: np.ndarray, mesh: Mesh, axes: tuple[str, ...], stages: tuple[tuple[int, ...], ...] | None
 ) -> np.ndarray:

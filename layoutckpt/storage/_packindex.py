@@ -10,8 +10,9 @@ read of one array reads a few small nodes, not the whole tree.
 The merged root orders keys by array, so a rank's shards of an FSDP-style state lie in every one
 of its leaves: at 16,384 ranks each loading rank would read and decode tens of leaves of 75,000
 keys for its few hundred. Each writer's own database, under ``packs/``, holds its share of the
-keys only. ``Router`` looks a load's shards up there where the checkpoint records which rank
-wrote them (its writer rules) and few ranks did, and in the merged root otherwise.
+keys only. ``Router`` looks a load's shards up there where few ranks wrote them and the reader
+knows which (the checkpoint's writer rules, or the few ranks that hold each piece), and in the
+merged root otherwise.
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
+import numpy as np
+
 from ..format import _ocdbt
+from ..layout._plan import piece_holders, split_counts
 from . import _os
 from ._shardread import Damaged, Extent, Files
 
 if TYPE_CHECKING:
     from ..format._format import ArrayMeta
     from ..layout._plan import Box
+    from ..layout._spec import Mesh
 
 MANIFEST = "manifest.ocdbt"
 # Where rank r's database lies until the commit merges it (its data files stay there).
@@ -154,52 +160,81 @@ class PackIndex:
 
 
 class Router:
-    """Lookups of a packed checkpoint's keys (``locate``): in the database of the rank that
-    wrote a shard where a load's ``expect`` found few such ranks, else in the merged root.
+    """Lookups of a packed checkpoint's keys (``locate``): in the databases of the ranks that
+    wrote a load's shards where ``expect`` found few such ranks, else in the merged root.
 
     ``rules`` maps an array's path to its writer rule ``(start, step)``: the shard at C-order
-    index ``i`` of its grid is in the database of rank ``start + step * i`` of ``world``. A
-    load whose shards lie in at most half the writers' databases reads those: each holds about
-    ``1 / world`` of the keys, so they hold fewer than the merged root's leaves such a load
-    touches (all of them, for a rank's share of an FSDP state). A key its writer's database
-    lacks, or a database that is missing or does not decode, is looked up in the merged root,
-    which holds every key and is what a checkpoint's integrity rests on."""
+    index ``i`` of its grid is in the database of rank ``start + step * i``. Where an array has
+    none but its shards are its pieces, held by at most ``MOST_CANDIDATES`` ranks each (data
+    parallelism over a few replicas: the save's balance chose one of them), each is looked up
+    in those ranks' databases in turn. A load whose shards lie in at most half of the
+    ``mesh``'s databases reads those: each holds about ``1 / world`` of the keys, fewer than the
+    merged root's leaves such a load touches (all of them, for a rank's share of an FSDP
+    state). A key its writer's database lacks, or a database that is missing or does not
+    decode, is looked up in the merged root, which holds every key and is what a checkpoint's
+    integrity rests on."""
 
-    def __init__(self, root: Path, files: Files, rules: Mapping[str, tuple[int, int]], world: int) -> None:
-        self.root, self.files, self.rules, self.world = root, files, rules, world
+    def __init__(self, root: Path, files: Files, rules: Mapping[str, tuple[int, int]], mesh: Mesh | None) -> None:
+        self.root, self.files, self.rules, self.mesh = root, files, rules, mesh
+        self.world = mesh.size if mesh is not None else 0
         self.merged = PackIndex(root, files)
         self._lock = threading.Lock()
-        # The arrays whose keys are looked up in their writers' databases: (start, step, the
-        # strides of their shard grids, the chunk key's separator).
-        self._routed: dict[str, tuple[int, int, tuple[int, ...], str]] = {}
+        self._routed: dict[str, _Route] = {}  # by array path: the arrays a load routed
+        self._known: dict[str, _Route | None] = {}  # by array path: each array's way, routed or not
         self._writers: dict[int, PackIndex | None] = {}  # None: passed over
 
     def expect(self, boxes: Iterable[tuple[ArrayMeta, Box]]) -> None:
         """Route the arrays of these boxes to their writers' databases where their shards lie
         in at most half of them."""
-        routed: dict[str, tuple[int, int, tuple[int, ...], str]] = {}
+        routed: dict[str, _Route] = {}
         writers: set[int] = set()
         for meta, box in boxes:
-            rule = self.rules.get(meta.path)
-            if rule is None:
-                continue
-            shards = _cells(meta.shape, meta.shard_shape, box)
+            route = self._route(meta)
+            shards = None if route is None else _cells(meta.shard_shape, box, route.strides)
             if shards is None:
-                return
-            strides, cells = shards
-            writers.update(rule[0] + rule[1] * i for i in cells)
+                continue
+            for i in shards:
+                writers.update(route.candidates(i))
             if 2 * len(writers) > self.world:
                 return
-            routed[meta.path] = (*rule, strides, meta.separator)
+            routed[meta.path] = route
         with self._lock:
             self._routed.update(routed)
+
+    def _route(self, meta: ArrayMeta) -> _Route | None:
+        """How to find the writers of ``meta``'s shards (worked out once per array)."""
+        if meta.path not in self._known:
+            self._known[meta.path] = self._new_route(meta)
+        return self._known[meta.path]
+
+    def _new_route(self, meta: ArrayMeta) -> _Route | None:
+        """Its rule, or the holders of its pieces; None where neither helps."""
+        rule = self.rules.get(meta.path)
+        if rule is not None:
+            grid = tuple(-(-n // s) for n, s in zip(meta.shape, meta.shard_shape))
+            return _Route(_strides(grid), meta.separator, *rule)
+        mesh = meta.mesh or self.mesh
+        if mesh is None or mesh.size != self.world:
+            return None
+        counts = split_counts(len(meta.shape), meta.spec, mesh)
+        if tuple(meta.shard_shape) != tuple(-(-n // k) for n, k in zip(meta.shape, counts)):
+            return None  # shards cut from pieces, or pieces not torch.chunk's
+        holders = piece_holders(mesh, meta.spec.axes)
+        if holders.shape[1] > MOST_CANDIDATES:
+            return None
+        # A shard is then the piece of the same coordinates, numbered over the pieces' grid.
+        return _Route(_strides(counts), meta.separator, holders=holders)
 
     def locate(self, key: str) -> Extent | None:
         """``PackIndex.locate`` of ``key``, in its writer's database where ``expect`` routed it."""
         path, _, chunk = key.rpartition("/")
         route = self._routed.get(path)
-        found = None if route is None else self._in_writer(_writer_of(chunk, *route), key)
-        return found if found is not None else self.merged.locate(key)
+        if route is not None:
+            for rank in route.candidates(route.index(chunk)):
+                found = self._in_writer(rank, key)
+                if found is not None:
+                    return found
+        return self.merged.locate(key)
 
     def _in_writer(self, rank: int, key: str) -> Extent | None:
         """``key`` in rank ``rank``'s database; None where it is not there, the rank is out of
@@ -219,31 +254,55 @@ class Router:
             return None
 
 
+# Where an array's writer is one of more ranks than this, its keys are looked up in the merged
+# root: each miss in a candidate's database costs a lookup (and its first, a small read). A
+# norm's few rows split over dp, replicated over pp x tp, have 32 candidates at 16,384 ranks.
+MOST_CANDIDATES = 32
+
+
+@attrs.frozen
+class _Route:
+    """Where an array's shards were written: the shard at index ``i`` (its coordinates times
+    ``strides``) by rank ``start + step * i``, or by one of ``holders[i]``."""
+
+    strides: tuple[int, ...]
+    separator: str
+    start: int = 0
+    step: int = 0
+    holders: np.ndarray | None = attrs.field(default=None, eq=False)
+
+    def index(self, chunk: str) -> int:
+        """The C-order index of the shard of chunk key ``chunk`` (``c.0.1``)."""
+        return sum(int(c) * k for c, k in zip(chunk.split(self.separator)[1:], self.strides))
+
+    def candidates(self, i: int) -> list[int]:
+        if self.holders is None:
+            return [self.start + self.step * i]
+        return self.holders[i].tolist() if i < len(self.holders) else []
+
+
 # A box that touches more shards than this is read through the merged root, where one array's
 # keys lie together: a large read, whose shards' writers are many.
 MOST_ROUTED_CELLS = 4096
 
 
-# A model's arrays repeat a few shapes, and a load reads the same box of each: worked out once.
-@functools.lru_cache(maxsize=256)
-def _cells(shape: tuple[int, ...], shard: tuple[int, ...], box: Box) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The C-order strides of the shard grid of an array of ``shape``, and the C-order indices
-    of the shards that ``box`` touches; None above ``MOST_ROUTED_CELLS`` of them."""
-    ranges = [range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard)]
-    if math.prod(len(r) for r in ranges) > MOST_ROUTED_CELLS:
-        return None
-    grid = [-(-n // s) for n, s in zip(shape, shard)]
+def _strides(grid: tuple[int, ...]) -> tuple[int, ...]:
+    """The C-order strides of a grid of cells."""
     strides = [1] * len(grid)
     for d in range(len(grid) - 2, -1, -1):
         strides[d] = strides[d + 1] * grid[d + 1]
-    cells = tuple(sum(c * k for c, k in zip(cell, strides)) for cell in itertools.product(*ranges))
-    return tuple(strides), cells
+    return tuple(strides)
 
 
-def _writer_of(chunk: str, start: int, step: int, strides: tuple[int, ...], separator: str) -> int:
-    """The rank that wrote the shard of chunk key ``chunk`` (``c.0.1``) by its writer rule."""
-    cell = chunk.split(separator)[1:]
-    return start + step * sum(int(c) * k for c, k in zip(cell, strides))
+# A model's arrays repeat a few shapes, and a load reads the same box of each: worked out once.
+@functools.lru_cache(maxsize=256)
+def _cells(shard: tuple[int, ...], box: Box, strides: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The indices (coordinates times ``strides``) of the shards of shape ``shard`` that ``box``
+    touches; None above ``MOST_ROUTED_CELLS`` of them."""
+    ranges = [range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shard)]
+    if math.prod(len(r) for r in ranges) > MOST_ROUTED_CELLS:
+        return None
+    return tuple(sum(c * k for c, k in zip(cell, strides)) for cell in itertools.product(*ranges))
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ from ._writers import BoxWriter, Source, staged_size
 
 if TYPE_CHECKING:
     from ..format._format import ArrayMeta, CheckpointMeta
+    from ..layout._spec import Mesh
     from ._location import Location
 
 # ``packing="auto"`` packs a checkpoint of more objects than this; a smaller one stays plain
@@ -63,12 +64,12 @@ def database(location: Location, rel: str = "") -> dict[str, Any]:
 @attrs.frozen
 class PackView:
     """What TensorStore needs of a location to open arrays in a database: ``kvstore``.
-    ``writers`` and ``world``: the checkpoint's writer rules by array path, and its ranks."""
+    ``writers`` and ``mesh``: the checkpoint's writer rules by array path, and its mesh."""
 
     location: Location
     base: str = ""
     writers: Mapping[str, tuple[int, int]] = attrs.field(factory=dict, eq=False)
-    world: int = 0
+    mesh: Mesh | None = None
 
     def kvstore(self, rel: str = "") -> dict[str, Any]:
         return {**database(self.location, self.base), "path": rel.rstrip("/") + "/" if rel else ""}
@@ -93,7 +94,7 @@ class PackView:
         data files; elsewhere TensorStore, through the database."""
         through = TensorStoreReader(self, where, complete, io)
         if isinstance(self.location, LocalDir) and not self.base:
-            return PackedFileReader(self.location.root, where, complete, io, through, self.writers, self.world)
+            return PackedFileReader(self.location.root, where, complete, io, through, self.writers, self.mesh)
         return through
 
 
@@ -102,7 +103,7 @@ def arrays_of(location: Location, meta: CheckpointMeta) -> Location | PackView:
     if not meta.packed:
         return location
     writers = {meta.arrays[name].path: rule for name, rule in meta.writers.items()}
-    return PackView(location, writers=writers, world=meta.mesh.size)
+    return PackView(location, writers=writers, mesh=meta.mesh)
 
 
 class PackWriter(BoxWriter):

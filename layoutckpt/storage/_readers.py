@@ -31,6 +31,7 @@ from . import _os, _packindex, _shardread, _store
 
 if TYPE_CHECKING:
     from ..format._format import ArrayMeta
+    from ..layout._spec import Mesh
 
 
 class Pending(abc.ABC):
@@ -141,8 +142,8 @@ class PackedFileReader(ShardFileReader):
     """A local packed checkpoint, read from its data files as a plain one is from its shard
     files: the shards' byte ranges come from the database's B+tree (``_packindex``). A shard
     stored inside its leaf (packs written by earlier releases) or a database in a form
-    ``_packindex`` does not read goes through ``fallback``. ``writers`` and ``world``: the
-    checkpoint's writer rules by array path, and its ranks (``_packindex.Router``)."""
+    ``_packindex`` does not read goes through ``fallback``. ``writers`` and ``mesh``: the
+    checkpoint's writer rules by array path, and its mesh (``_packindex.Router``)."""
 
     def __init__(
         self,
@@ -152,10 +153,10 @@ class PackedFileReader(ShardFileReader):
         io: IOConfig,
         fallback: BoxReader,
         writers: Mapping[str, tuple[int, int]] | None = None,
-        world: int = 0,
+        mesh: Mesh | None = None,
     ) -> None:
         super().__init__(root, where, complete, io)
-        self.index = _packindex.Router(root, self.files, writers or {}, world)
+        self.index = _packindex.Router(root, self.files, writers or {}, mesh)
         self.locate = self.index.locate
         self.fallback = fallback
 

@@ -67,6 +67,23 @@ def _load_fsdp(rank, group, path):
     return [i for i in range(N) if not same(out[f"l{i}"]["w"], full(i).chunk(4)[rank])], nodes
 
 
+HSDP_LAYOUT = lc.Layout(lc.Mesh({"pp": 2, "dp": 2}), [(r".*", lc.P("dp"))])
+
+
+def _save_hsdp(rank, group, path):
+    piece = rank % 2  # replicated over pp: ranks 0 and 2 hold piece 0, ranks 1 and 3 piece 1
+    state = {f"l{i}": {"w": full(i).chunk(2)[piece].clone()} for i in range(N)}
+    return lc.save(path, state, HSDP_LAYOUT, group=group, packing="ocdbt").arrays_written
+
+
+def _load_hsdp(rank, group, path):
+    before = _packindex.nodes_read()
+    like = {f"l{i}": {"w": torch.zeros(4, 6, dtype=full(i).dtype)} for i in range(N)}
+    out = lc.load(path, HSDP_LAYOUT, like=like, group=group)
+    nodes = {base: n - before.get(base, 0) for base, n in _packindex.nodes_read().items() if n != before.get(base, 0)}
+    return [i for i in range(N) if not same(out[f"l{i}"]["w"], full(i).chunk(2)[rank % 2])], nodes
+
+
 def _load_tp2(rank, group, path):
     out = lc.load(path, LOAD_LAYOUT, group=group)
     bad = [i for i in range(N) if not same(out[f"l{i}"]["w"], full(i).chunk(2, dim=1)[rank])]
@@ -134,6 +151,17 @@ def test_fsdp_packed_is_a_few_files_per_rank_and_loads_under_another_mesh(ranks:
     assert out["step"] == 5
     assert [i for i in range(N) if not same(out[f"l{i}"]["w"], full(i))] == []
     assert lc.open(path).rank_states() == [{"rank": r} for r in range(4)]
+
+
+def test_hsdp_shards_are_found_in_their_replicas_databases(ranks: RankPool, tmp_path):
+    """Sharded over dp, replicated over pp: the save's balance picks which replica writes each
+    shard (a rule names it where the choice is regular, as here for most arrays), and each load
+    looks in its piece's two holders' databases only, never in the merged root."""
+    path = tmp_path / "hsdp"
+    assert sum(ranks.run(_save_hsdp, 4, str(path))) == 2 * N
+    for r, (bad, nodes) in enumerate(ranks.run(_load_hsdp, 4, str(path))):
+        holders = {f"{_packs.rank_base(h)}/" for h in (r % 2, r % 2 + 2)}
+        assert bad == [] and nodes and set(nodes) <= holders, nodes
 
 
 def test_fsdp_in_files_is_a_file_per_shard(ranks: RankPool, tmp_path):

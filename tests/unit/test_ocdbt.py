@@ -8,7 +8,6 @@ import concurrent.futures
 import os
 import random
 import time
-import types
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import tensorstore as ts
 
 import layoutckpt as lc
 from layoutckpt.format import _ocdbt
+from layoutckpt.format._format import ArrayMeta
 from layoutckpt.storage import _packindex, _packs, _shardread
 from layoutckpt.storage._location import locate
 
@@ -246,27 +246,30 @@ def test_an_empty_encoded_database_has_no_keys(tmp_path, monkeypatch):
     assert _packindex.PackIndex(tmp_path / "db").locate("a/c/0") is None
 
 
-def _fsdp_pack(tmp_path, world=4, arrays=30):
+def _fsdp_pack(tmp_path, world=4, arrays=30, writer=lambda r: r):
     """A packed checkpoint's index as a save of ``arrays`` arrays split row-wise over ``world``
-    ranks makes it: rank r's database holds shard ``c.r.0`` of every array, then the merge."""
+    ranks makes it (over ``dp`` of a ``(pp, dp)`` mesh, pp 2, in ``_mesh``): shard ``c.r.0`` of
+    every array is in the database of rank ``writer(r)``; then the merge."""
     values = {}
-    for r in range(world):
-        items = {f"a{j}/c.{r}.0": os.urandom(64 + j) for j in range(arrays)}
-        _fill(_db(tmp_path / _packs.rank_base(r), max_inline_value_bytes=0), items.items())
-        values.update(items)
-    _packs.merge(locate(str(tmp_path)), world)
-    metas = [
-        types.SimpleNamespace(path=f"a{j}", shape=(2 * world, 3), shard_shape=(2, 3), separator=".")
-        for j in range(arrays)
-    ]
+    for w in range(2 * world):
+        items = {f"a{j}/c.{r}.0": os.urandom(64 + j) for j in range(arrays) for r in range(world) if writer(r) == w}
+        if items:
+            _fill(_db(tmp_path / _packs.rank_base(w), max_inline_value_bytes=0), items.items())
+            values.update(items)
+    _packs.merge(locate(str(tmp_path)), 2 * world)
+    metas = [ArrayMeta(f"a{j}", (2 * world, 3), "float32", (2, 3), (2, 3), lc.P("dp")) for j in range(arrays)]
     return values, metas
 
 
-def _lookups(tmp_path, rules, world, boxes, keys):
-    """Each key's value through a ``Router`` that expected ``boxes``, and the B+tree nodes read
-    per database meanwhile."""
+def _mesh(world=4):
+    return lc.Mesh({"pp": 2, "dp": world})
+
+
+def _lookups(tmp_path, rules, boxes, keys, mesh=None):
+    """Each key's value through a ``Router`` (of a checkpoint saved on ``mesh``, ``_mesh()`` by
+    default) that expected ``boxes``, and the B+tree nodes read per database meanwhile."""
     before = _packindex.nodes_read()
-    router = _packindex.Router(tmp_path, _shardread.Files(tmp_path), rules, world)
+    router = _packindex.Router(tmp_path, _shardread.Files(tmp_path), rules, mesh or _mesh())
     router.expect(boxes)
     got = {key: _value_at(tmp_path, router.locate(key)) for key in keys}
     after = _packindex.nodes_read()
@@ -275,17 +278,28 @@ def _lookups(tmp_path, rules, world, boxes, keys):
 
 def test_a_load_of_one_writers_shards_reads_its_database_not_the_merged_root(tmp_path):
     """Rank 2's rows of every array: found in rank 2's database, one node read, none of the
-    merged root's. Rows of three of the four ranks: through the merged root, as before."""
+    merged root's. Rows of all four ranks of a ``dp`` mesh: through the merged root, as before."""
     values, metas = _fsdp_pack(tmp_path)
     rules = {m.path: (0, 1) for m in metas}
     keys = [f"{m.path}/c.2.0" for m in metas]
-    got, nodes = _lookups(tmp_path, rules, 4, [(m, ((4, 6), (0, 3))) for m in metas], keys)
+    got, nodes = _lookups(tmp_path, rules, [(m, ((4, 6), (0, 3))) for m in metas], keys)
     assert got == {k: values[k] for k in keys}
     assert nodes == {"packs/00002/": 1}
-    keys = [f"{m.path}/c.{r}.0" for m in metas for r in range(3)]
-    got, nodes = _lookups(tmp_path, rules, 4, [(m, ((0, 6), (0, 3))) for m in metas], keys)
+    keys = [f"{m.path}/c.{r}.0" for m in metas for r in range(4)]
+    got, nodes = _lookups(tmp_path, rules, [(m, ((0, 8), (0, 3))) for m in metas], keys, lc.Mesh({"dp": 4}))
     assert got == {k: values[k] for k in keys}
     assert set(nodes) == {""}
+
+
+def test_shards_without_a_rule_are_found_among_their_pieces_holders(tmp_path):
+    """Data parallelism over ``pp``: piece r is held by ranks r and r + 4, and the save's
+    balance wrote some pieces from the second. Without a rule, a load of piece 1 and 2 looks in
+    the databases of their holders, never in the merged root."""
+    values, metas = _fsdp_pack(tmp_path, writer=lambda r: r + 4 * (r % 2))
+    keys = [f"{m.path}/c.{r}.0" for m in metas for r in (1, 2)]
+    got, nodes = _lookups(tmp_path, {}, [(m, ((2, 6), (0, 3))) for m in metas], keys)
+    assert got == {k: values[k] for k in keys}
+    assert "" not in nodes and set(nodes) <= {f"{_packs.rank_base(r)}/" for r in (1, 2, 5, 6)}, nodes
 
 
 @pytest.mark.parametrize("harm", ["wrong rule", "missing database", "damaged database"])
@@ -302,6 +316,20 @@ def test_a_shard_its_writers_database_does_not_give_is_found_in_the_merged_root(
         raw[len(raw) // 2] ^= 0xFF
         manifest.write_bytes(bytes(raw))
     keys = [f"{m.path}/c.2.0" for m in metas]
-    got, nodes = _lookups(tmp_path, rules, 4, [(m, ((4, 6), (0, 3))) for m in metas], keys)
+    got, nodes = _lookups(tmp_path, rules, [(m, ((4, 6), (0, 3))) for m in metas], keys)
     assert got == {k: values[k] for k in keys}
     assert nodes.get("", 0) >= 1
+
+
+def test_a_shard_is_its_piece_where_trailing_pieces_are_empty(tmp_path):
+    """Five columns over four ``dp`` pieces of two: the last piece is empty, so the shard grid
+    (2 x 3) is narrower than the pieces' (2 x 4). Shard ``c.1.0`` is piece 4, held by rank 4
+    alone, not the fourth shard in the grid's order."""
+    _fill(_db(tmp_path / _packs.rank_base(4), max_inline_value_bytes=0), [("a/c.1.0", b"piece 4")])
+    for r in (0, 1, 2, 3, 5, 6, 7):
+        _fill(_db(tmp_path / _packs.rank_base(r), max_inline_value_bytes=0), [(f"other/c.{r}", b"x")])
+    _packs.merge(locate(str(tmp_path)), 8)
+    meta = ArrayMeta("a", (4, 5), "float32", (2, 2), (2, 2), lc.P("pp", "dp"))
+    got, nodes = _lookups(tmp_path, {}, [(meta, ((2, 4), (0, 2)))], ["a/c.1.0"])
+    assert got == {"a/c.1.0": b"piece 4"}
+    assert nodes == {"packs/00004/": 1}
