@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -169,3 +170,21 @@ def test_the_tiers_benchmark_runs_every_mode_and_restore(tmp_path):
     for kind in ("fresh", "inplace"):
         r = summary["restore"][kind]
         assert r["fast_s"] > 0 and r["durable_s"] > 0 and r["cold_s"] > 0
+
+
+@pytest.mark.parametrize(("layout", "writers_nodes"), [("fsdp", 1), ("hsdp", 4)])
+def test_the_pack_index_benchmark_finds_every_shard_in_its_writers_databases(tmp_path, layout, writers_nodes):
+    """``pack_index.py`` on 32 ranks: every shard found both ways; through the writers'
+    databases, one node of the writer's (FSDP) or of each of the piece's 4 holders (HSDP)."""
+    small = ["--ranks", "32", "--arrays", "12", "--repeats", "2", "--layout", layout, "--dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "pack_index.py"), *small],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    nodes = dict(re.findall(r"^(merged root|writers' databases) .* B\+tree nodes read (\d+)$", proc.stdout, re.M))
+    assert nodes == {"merged root": "1", "writers' databases": str(writers_nodes)}, proc.stdout
