@@ -48,6 +48,21 @@ READ_ROWS = {
 }
 
 
+def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``script`` of ``benchmarks/`` run as its README shows; its output where it fails."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=REPO,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def _dcp_available() -> bool:
     try:
         import torch.distributed.checkpoint  # noqa: F401
@@ -67,18 +82,9 @@ def _expected() -> set[tuple[str, str, str | None]]:
 
 def test_quick_run_reports_every_row(tmp_path):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, str(BENCH), "--quick", "--ranks", "1,2", "--repeats", "1"]
-    proc = subprocess.run(
-        [*cmd, "--json", str(out), "--dir", str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    proc = run_benchmark(
+        "bench.py", "--quick", "--ranks", "1,2", "--repeats", "1", "--json", str(out), "--dir", str(tmp_path)
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "targets for 2 rank(s)" in proc.stdout
     results = json.loads(out.read_text())
     assert sorted(results["worlds"]) == ["1", "2"]
@@ -143,26 +149,7 @@ def test_the_tiers_benchmark_runs_every_mode_and_restore(tmp_path):
     from the fast tier (which keeps 2), and the durable restore reads the durable tier."""
     out = tmp_path / "tiers.json"
     small = ["--dim", "32", "--layers", "1", "--vocab", "64", "--batch", "2", "--seq", "8", "--steps", "12"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "tiers.py"),
-            "--repeats",
-            "1",
-            *small,
-            "--json",
-            str(out),
-            "--dir",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_benchmark("tiers.py", "--repeats", "1", *small, "--json", str(out), "--dir", str(tmp_path))
     summary = json.loads(out.read_text())
     assert list(summary["rows"]) == ["none", "tiers", "lazy", "dcp"]
     assert all(row["step_s"] > 0 and row["mean_s"] > 0 for row in summary["rows"].values())
@@ -177,14 +164,6 @@ def test_the_pack_index_benchmark_finds_every_shard_in_its_writers_databases(tmp
     """``pack_index.py`` on 32 ranks: every shard found both ways; through the writers'
     databases, one node of the writer's (FSDP) or of each of the piece's 4 holders (HSDP)."""
     small = ["--ranks", "32", "--arrays", "12", "--repeats", "2", "--layout", layout, "--dir", str(tmp_path)]
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "pack_index.py"), *small],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_benchmark("pack_index.py", *small)
     nodes = dict(re.findall(r"^(merged root|writers' databases) .* B\+tree nodes read (\d+)$", proc.stdout, re.M))
     assert nodes == {"merged root": "1", "writers' databases": str(writers_nodes)}, proc.stdout
