@@ -488,8 +488,9 @@ def writer_rules(arrays: Sequence[ArraySpec], mesh: Mesh) -> list[tuple[int, int
     such rule holds (shards cut from replicated pieces go to the least-loaded replicas).
 
     An array stored as one shard has one, and so does an array without replicas whose spec
-    names the mesh's axes in the mesh's order (FSDP, tensor parallelism alone). A reader of a packed checkpoint uses it to find a shard in its
-    writer's own index, which holds a world's fraction of the keys (``storage/_packindex``).
+    names the mesh's axes in the mesh's order (FSDP, tensor parallelism alone). A reader of a
+    packed checkpoint uses it to find a shard in its writer's own index, which holds a world's
+    fraction of the keys (``storage/_packindex``).
     """
     out: list[tuple[int, int] | None] = []
     for a, split, by_piece in zip(arrays, _splits(tuple(arrays), mesh), _writers(arrays, mesh)):
