@@ -560,7 +560,7 @@ def _own_memory(target: Any, dtype: str) -> np.ndarray | None:
     if isinstance(local, np.ndarray):
         ok = local.dtype == numpy_dtype(dtype) and local.flags.c_contiguous and local.flags.writeable
         return local if ok else None
-    if not is_tensor(local) or local.device.type != "cpu" or not local.is_contiguous() or local.is_sparse:
+    if not is_tensor(local) or not local.is_cpu or not local.is_contiguous() or local.is_sparse:
         return None
     from .torch._tensors import to_numpy, zarr_name_of
 
@@ -583,7 +583,7 @@ def _host_memory(x: Any) -> tuple[int, int] | None:
     """(address, bytes) of a NumPy array or a CPU tensor; None for anything else."""
     if isinstance(x, np.ndarray):
         return x.ctypes.data, x.nbytes
-    if is_tensor(x) and x.device.type == "cpu":
+    if is_tensor(x) and x.is_cpu:
         return x.data_ptr(), x.numel() * x.element_size()
     return None
 

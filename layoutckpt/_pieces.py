@@ -149,10 +149,11 @@ def storage_key(leaf: Any) -> Any:
     if is_dtensor(leaf):
         extra = (id(leaf.device_mesh), tuple(leaf.placements), tuple(leaf.shape))
         leaf = leaf.to_local()
-    if not is_tensor(leaf) or leaf.device.type == "meta" or str(leaf.layout) != "torch.strided" or leaf.numel() == 0:
+    if not is_tensor(leaf) or leaf.is_meta or str(leaf.layout) != "torch.strided" or leaf.numel() == 0:
         return None
-    view = (leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, str(leaf.device))
-    return (leaf.untyped_storage().data_ptr(), *view, *extra)
+    # Tensors that start at the same address with the same shape, strides and dtype are views
+    # of the same elements: the address includes the storage offset.
+    return (leaf.data_ptr(), tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, *extra)
 
 
 def tie(structure: Any, leaves: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -66,7 +66,7 @@ class Staging:
             if not is_tensor(s):
                 np.copyto(d, s, casting="no")
             else:
-                (host if s.device.type == "cpu" else device).append((d, s))
+                (host if s.is_cpu else device).append((d, s))
         # The live tensors are not kept alive by the piece.
         self.sources, self.leaves = {}, {**self.leaves, **arrays}
         if not host and not device:
@@ -137,7 +137,7 @@ def stage(
             dtensors[name] = leaf
             leaf = leaf.to_local()
         if is_tensor(leaf):
-            cuda = cuda or leaf.device.type == "cuda"
+            cuda = cuda or leaf.is_cuda
             sources[name] = leaf
         else:  # stored bytes are little-endian (as lc.save stores them): a big-endian array is converted
             a = np.asarray(leaf)

@@ -202,7 +202,7 @@ class Staged:
             if src.numel() == 0:
                 self.data = to_numpy(torch.empty(src.shape, dtype=src.dtype))
                 return None
-            self._pool = pools.get(src.device.type == "cuda")
+            self._pool = pools.get(src.is_cuda)
             self._buffer = self._pool.acquire(src.numel() * src.element_size())
             # The NumPy view is made by the writer (``wait``), off the caller's blocked time.
             self._dst = self._pool.view(self._buffer, src.dtype, src.shape)
@@ -265,7 +265,7 @@ def side_stream(sources: Iterable[Any]) -> Any:
     stream ordered later (on a staging thread) would also wait for the kernels the caller queues
     after the save, such as the next step's forward, which the copy is meant to overlap.
     """
-    devices = {s.device for s in sources if is_tensor(s) and s.device.type == "cuda"}
+    devices = {s.device for s in sources if is_tensor(s) and s.is_cuda}
     if not devices:
         return None
     if len(devices) > 1:
@@ -318,8 +318,8 @@ def _copy_batch(items: list[Staged], budget: int | None, stream: Any) -> None:
     pools = _Pools(budget)
     pairs = [p for p in (s._take(pools) for s in todo) if p is not None]
     event = None
-    host = [p for p in pairs if p[1].device.type == "cpu"]
-    device = [p for p in pairs if p[1].device.type != "cpu"]
+    host = [p for p in pairs if p[1].is_cpu]
+    device = [p for p in pairs if not p[1].is_cpu]
     if host:
         torch._foreach_copy_([d for d, _ in host], [s for _, s in host])
     if device:

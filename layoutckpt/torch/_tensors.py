@@ -60,7 +60,7 @@ def tensor_zarr_dtype(t: torch.Tensor, name: str) -> str:
             f"array {name!r} is a {t.layout} tensor; layoutckpt stores dense tensors only: save "
             "t.to_dense(), or its indices and values as arrays of their own"
         )
-    if t.device.type == "meta":
+    if t.is_meta:
         raise TypeError(
             f"array {name!r} is on the meta device and holds no data; materialize it (e.g. "
             "module.to_empty(device='cpu') and initialize or load it) before saving"
@@ -77,7 +77,7 @@ def tensor_zarr_dtype(t: torch.Tensor, name: str) -> str:
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of a CPU tensor (bf16/fp8 as ml_dtypes), sharing its memory."""
     t = t.detach()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.cpu()
     to_zarr, _, carriers = _tables()
     carrier = carriers.get(t.dtype)
