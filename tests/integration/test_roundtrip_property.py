@@ -1,4 +1,5 @@
-"""Save under one layout on k ranks, load under another on m ranks: bit-exact, every dtype.
+"""Save under one layout on k ranks, load under another on m ranks: bit-exact, every dtype,
+plain or packed, into new tensors or in place; and any NumPy index of each array in one process.
 
 Every rank rebuilds the full tensors from a seed, cuts its own shard with ``torch.chunk`` (the
 expectation is computed here, never by the library), saves or loads, and compares raw bytes, so
@@ -73,7 +74,7 @@ def layout_for(axes: dict[str, int], arrays, specs) -> lc.Layout:
 # ----------------------------------------------------------------------------- rank functions
 
 
-def _save(rank, group, path, seed, arrays, axes, specs, inner, compression):
+def _save(rank, group, path, seed, arrays, axes, specs, inner, compression, packing):
     state = {
         "p": {
             f"a{i}": local_shard(full_tensor(seed, i, shape, dtype), spec, axes, rank)
@@ -82,17 +83,23 @@ def _save(rank, group, path, seed, arrays, axes, specs, inner, compression):
         "step": 7,
     }
     layout = layout_for(axes, arrays, specs)
-    result = lc.save(path, state, layout, group=group, inner_chunk_bytes=inner, compression=compression)
+    result = lc.save(
+        path, state, layout, group=group, inner_chunk_bytes=inner, compression=compression, packing=packing
+    )
     return result.bytes_written
 
 
-def _load(rank, group, path, seed, arrays, axes, specs):
-    out = lc.load(path, layout_for(axes, arrays, specs), group=group)
+def _load(rank, group, path, seed, arrays, axes, specs, inplace):
+    wants = {
+        f"a{i}": local_shard(full_tensor(seed, i, shape, dtype), spec, axes, rank)
+        for i, ((shape, dtype), spec) in enumerate(zip(arrays, specs))
+    }
+    like = {"p": {k: torch.zeros(w.shape, dtype=w.dtype) for k, w in wants.items()}, "step": 0} if inplace else None
+    out = lc.load(path, layout_for(axes, arrays, specs), group=group, like=like, inplace=inplace)
     assert set(out) == {"p", "step"} and out["step"] == 7
-    assert set(out["p"]) == {f"a{i}" for i in range(len(arrays))}
-    for i, ((shape, dtype), spec) in enumerate(zip(arrays, specs)):
-        want = local_shard(full_tensor(seed, i, shape, dtype), spec, axes, rank)
-        assert_bit_equal(out["p"][f"a{i}"], want, f"rank {rank}: a{i} {shape} {dtype} {spec}")
+    assert set(out["p"]) == set(wants)
+    for (name, want), (shape, dtype), spec in zip(wants.items(), arrays, specs):
+        assert_bit_equal(out["p"][name], want, f"rank {rank}: {name} {shape} {dtype} {spec} inplace={inplace}")
     return True
 
 
@@ -124,15 +131,33 @@ def spec_for(draw, axes: dict[str, int], ndim: int):
 
 
 @st.composite
+def index_for(draw, shape: tuple[int, ...]):
+    """A NumPy index of ``shape``: per dimension everything, a slice (out-of-range and
+    negative bounds, a step) or an integer."""
+    index = []
+    for n in shape:
+        kind = draw(st.sampled_from(["all", "slice", "int"] if n else ["all", "slice"]))
+        if kind == "all":
+            index.append(slice(None))
+        elif kind == "int":
+            index.append(draw(st.integers(-n, n - 1)))
+        else:
+            bound = st.integers(-n - 2, n + 2)
+            index.append(slice(draw(bound), draw(bound), draw(st.sampled_from([None, 1, 2, 3]))))
+    return tuple(index)
+
+
+@st.composite
 def scenarios(draw):
     k, m = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     axes_a, axes_b = draw(mesh_of(k)), draw(mesh_of(m))
-    arrays, specs_a, specs_b = [], [], []
+    arrays, specs_a, specs_b, indexes = [], [], [], []
     for _ in range(draw(st.integers(1, 4))):
         shape = draw(st.integers(0, 3).flatmap(lambda nd: st.tuples(*[st.integers(0, 13)] * nd)))
         arrays.append((shape, draw(st.sampled_from(DTYPES))))
         specs_a.append(draw(spec_for(axes_a, len(shape))))
         specs_b.append(draw(spec_for(axes_b, len(shape))))
+        indexes.append(draw(index_for(shape)))
     return {
         "k": k,
         "m": m,
@@ -144,6 +169,9 @@ def scenarios(draw):
         "seed": draw(st.integers(0, 2**20)),
         "inner": draw(st.sampled_from([8, 64, 512, 1 << 20])),
         "compression": draw(st.sampled_from([None, None, "zstd", "blosc"])),
+        "packing": draw(st.sampled_from(["files", "ocdbt"])),
+        "inplace": draw(st.booleans()),
+        "indexes": indexes,
     }
 
 
@@ -154,13 +182,23 @@ def scenarios(draw):
 def test_reshard_roundtrip_is_bit_exact(ranks, tmp_path, s):
     path = str(tmp_path / f"ck{next(_paths)}")
     written = ranks.run(
-        _save, s["k"], path, s["seed"], s["arrays"], s["axes_a"], s["specs_a"], s["inner"], s["compression"]
+        _save,
+        s["k"],
+        path,
+        s["seed"],
+        s["arrays"],
+        s["axes_a"],
+        s["specs_a"],
+        s["inner"],
+        s["compression"],
+        s["packing"],
     )
     # Every element is written exactly once across ranks, by one replica.
     itemsizes = [torch.empty((), dtype=getattr(torch, d)).element_size() for _, d in s["arrays"]]
     assert sum(written) == sum(math.prod(shape) * w for (shape, _), w in zip(s["arrays"], itemsizes))
 
-    assert ranks.run(_load, s["m"], path, s["seed"], s["arrays"], s["axes_b"], s["specs_b"]) == [True] * s["m"]
+    loaded = ranks.run(_load, s["m"], path, s["seed"], s["arrays"], s["axes_b"], s["specs_b"], s["inplace"])
+    assert loaded == [True] * s["m"]
 
     # A single process with no process group reads every whole array back, too.
     rd = lc.open(path)
@@ -169,6 +207,13 @@ def test_reshard_roundtrip_is_bit_exact(ranks, tmp_path, s):
         got = torch.from_numpy(np.ascontiguousarray(rd.read(f"p.a{i}")).view(np.uint8))
         want = full_tensor(s["seed"], i, shape, dtype)
         assert torch.equal(got.reshape(-1), bits(want)), (i, shape, dtype)
+        # A partial read gives what NumPy's indexing of the whole array gives.
+        index = s["indexes"][i]
+        whole = np.asarray(rd.read(f"p.a{i}"))
+        part = np.ascontiguousarray(rd.read(f"p.a{i}", index))
+        expect = np.ascontiguousarray(whole[index])
+        assert part.shape == expect.shape, (i, shape, index)
+        assert part.reshape(-1).view(np.uint8).tobytes() == expect.reshape(-1).view(np.uint8).tobytes(), (i, index)
 
 
 # ----------------------------------------------------------------------------- plain tests
