@@ -17,7 +17,7 @@ from typing import Any, Unpack
 import attrs
 import numpy as np
 
-from . import _rankstate
+from . import _rankstate, _shared_reads
 from ._pieces import uses_views
 from .base._arguments import check_load_arguments
 from .base._errors import TemplateMismatchError
@@ -32,7 +32,7 @@ from .layout import _flat, _plan
 from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._names import to_global
-from .layout._spec import P, check_spec
+from .layout._spec import Mesh, P, check_spec
 from .layout._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 from .layout._views import Cut, Fused, Padded, part_name
 from .storage import _store
@@ -85,6 +85,13 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
     ``torch.distributed`` process group whose ranks load together (default: the default group,
     or a world of one). ``io`` (an ``lc.IOConfig``) tunes how bytes are read.
 
+    With ``share_reads=True`` (every rank passes it) the ranks that load one box (the
+    replicas of a data-parallel layout) share its read: each reads whole inner-chunk rows of
+    it, up to 8 ranks per box, and sends them to the others over the process group, so storage
+    serves each box once per 8 replicas rather than once per replica (an object store's
+    requests and egress, a parallel file system's bandwidth). Loads whose ranks of one stage
+    load different arrays read alone, as without it.
+
     A path or layout of the wrong kind (a template passed as ``layout``) raises ``TypeError``,
     a missing checkpoint ``CheckpointNotFoundError``, a layout that does not fit an array
     ``LayoutError`` (all before any byte is read), and a damaged chunk ``IntegrityError``
@@ -118,9 +125,15 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     root = locate(path)
     meta = _store.read_meta(root)
     comm = comm_for(options.group)
-    plan = _plan_load(root.url, meta, layout, options, comm)
+    try:
+        plan = _plan_load(root.url, meta, layout, options, comm)
+    except Exception:
+        if options.share_reads and comm.world > 1:
+            _shared_reads.agree(comm, None, None, set())  # the others then read alone
+        raise
     reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
-    wanted = plan.requests(meta, reader)
+    lent = plan.lent(meta, reader)
+    wanted = plan.requests(meta, lent, _sharing(plan, meta, layout, comm, lent))
     reads = BackgroundReads(reader, wanted.reads, options.io)
     phases.since("plan", t0)
     fut: LoadFuture[Any] = LoadFuture(
@@ -152,6 +165,8 @@ class _Requests:
     reads: list[BoxRead]
     filled: frozenset[str]
     lent: dict[Target, Lease]
+    # Where the ranks agreed to share reads (``share_reads``), the boxes this rank shares.
+    shared: dict[Target, _shared_reads.Shared] | None = None
 
 
 @attrs.frozen
@@ -165,21 +180,38 @@ class _LoadPlan:
     flats: dict[str, FlatReads]
     options: LoadOptions
     composites: dict[str, Composite] = attrs.field(factory=dict)
+    # The mesh and spec that give each box of ``targets`` (which ranks hold the same box).
+    holders: dict[Target, tuple[Mesh, P]] = attrs.field(factory=dict)
 
-    def requests(self, meta: CheckpointMeta, reader: BoxReader) -> _Requests:
-        """Every read, the template leaves that the reads fill in place (``destinations``), and
-        the boxes the reader lends instead of reading them (``lent``)."""
-        lent = self.lent(meta, reader)
+    def requests(
+        self, meta: CheckpointMeta, lent: dict[Target, Lease], sharing: dict[Target, _shared_reads.Sharing] | None
+    ) -> _Requests:
+        """Every read, the template leaves that the reads fill in place (``destinations``), the
+        boxes the reader lends instead of reading them (``lent``), and the boxes whose reads
+        this rank shares with others (``sharing``): of those it reads only its part."""
         boxes = list(self.targets.values()) + [key for _, _, parts in self.flats.values() for key, *_ in parts]
         boxes += [key for c in self.composites.values() for key, _ in c.parts]
         direct = self.destinations(meta)
         outs = {key: view for key, (_, view) in direct.items()}
-        reads = [
-            BoxRead(stored, meta.arrays[stored], box, out=outs.get((stored, box)), key=(stored, box))
-            for stored, box in dict.fromkeys(boxes)
-            if _plan.box_size(box) > 0 and (stored, box) not in lent
-        ]
-        return _Requests(reads, frozenset(name for name, _ in direct.values()), lent)
+        shared = None
+        if sharing is not None:
+            shared = {
+                key: _shared_reads.Shared(_shared_reads.destination(outs.get(key), meta.arrays[key[0]], key[1]), how)
+                for key, how in sharing.items()
+            }
+        reads = []
+        for stored, box in dict.fromkeys(boxes):
+            key = (stored, box)
+            if _plan.box_size(box) == 0 or key in lent:
+                continue
+            if shared is not None and key in shared:
+                part = shared[key].sharing.mine
+                if part is not None:
+                    out = _shared_reads.rows(shared[key].out, box, part)
+                    reads.append(BoxRead(stored, meta.arrays[stored], part, out=out, key=key))
+                continue
+            reads.append(BoxRead(stored, meta.arrays[stored], box, out=outs.get(key), key=key))
+        return _Requests(reads, frozenset(name for name, _ in direct.values()), lent, shared)
 
     def lent(self, meta: CheckpointMeta, reader: BoxReader) -> dict[Target, Lease]:
         """The boxes that go only to template leaves off the host (a GPU) and that the reader
@@ -239,8 +271,25 @@ def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options:
     wanted = template if options.like is not None else dict(leaf_nodes(structure))
     keep = _selector(options.select, list(wanted))
     names = [n for n in wanted if keep is None or n in keep]
-    targets, flats, composites = _targets(names, template, meta, target_layout, layout, comm, global_names)
-    return _LoadPlan(structure, template, keep, targets, flats, options, composites)
+    targets, flats, composites, holders = _targets(names, template, meta, target_layout, layout, comm, global_names)
+    return _LoadPlan(structure, template, keep, targets, flats, options, composites, holders)
+
+
+def _sharing(
+    plan: _LoadPlan, meta: CheckpointMeta, layout: Layout | None, comm: Any, lent: dict[Target, Lease]
+) -> dict[Target, _shared_reads.Sharing] | None:
+    """This rank's part in the reads it shares (``share_reads``); None unless every rank agrees
+    to share (``_shared_reads.agree``). Boxes also read for flat buffers or fused and padded
+    leaves are read whole."""
+    if not plan.options.share_reads or comm.world == 1:
+        return None
+    parts = {key for _, _, ps in plan.flats.values() for key, *_ in ps}
+    parts |= {key for c in plan.composites.values() for key, _ in c.parts}
+    holders = {key: how for key, how in plan.holders.items() if key not in parts and _plan.box_size(key[1]) > 0}
+    stages = (layout.mesh, layout.stage_axes) if layout is not None and layout.stage_axes else None
+    if not _shared_reads.agree(comm, stages, holders, set(lent)):
+        return None
+    return _shared_reads.plan({k: h for k, h in holders.items() if k not in lent}, meta.arrays, comm.rank, stages)
 
 
 def _flat_spec(layout: Layout | None, name: str) -> Flat | None:
@@ -299,13 +348,14 @@ def _targets(
     user_layout: Layout | None,
     comm: Any,
     global_names: dict[str, str],
-) -> tuple[dict[str, Target], dict[str, FlatReads], dict[str, Composite]]:
+) -> tuple[dict[str, Target], dict[str, FlatReads], dict[str, Composite], dict[Target, tuple[Mesh, P]]]:
     """The box of every named array this rank loads, the reads of its flat buffers, and of its
-    fused and padded leaves."""
+    fused and padded leaves; and the mesh and spec each box comes from."""
     stored_leaves = meta.leaves
     targets: dict[str, Target] = {}
     flats: dict[str, FlatReads] = {}
     composites: dict[str, Composite] = {}
+    holders: dict[Target, tuple[Mesh, P]] = {}
     for name in names:
         target = template.get(name)
         gname = global_names.get(name, name)
@@ -333,7 +383,8 @@ def _targets(
             local = target.to_local() if is_dtensor(target) else target
             _check_template(name, local, a, _plan.box_shape(box), spec)
         targets[name] = (stored, box)
-    return targets, flats, composites
+        holders[(stored, box)] = (mesh, spec)
+    return targets, flats, composites, holders
 
 
 def _stored_spec(layout: Layout | None, name: str) -> P:
@@ -396,7 +447,11 @@ def _finish(
     fut: LoadFuture[Any],
 ) -> Any:
     """Wait for the reads, build the tree, and report the load's metrics on ``fut``."""
-    reads.join()
+    if wanted.shared is not None:
+        _shared_reads.settle(comm, reads.join)
+        _shared_reads.exchange(comm, wanted.shared)
+    else:
+        reads.join()
     phases.add("read", reads.seconds)
     start = time.perf_counter()
     out = unflatten(plan.structure, _Builder(plan, meta, reads, wanted).leaf, plan.keep)
@@ -432,6 +487,7 @@ class _Builder:
         self.plan, self.meta, self.reads = plan, meta, reads
         self.filled = wanted.filled  # template leaves the reads filled in place: nothing left to do
         self.lent = wanted.lent
+        self.shared = wanted.shared
         self.stored_leaves = meta.leaves
         self.built: dict[Target, Any] = {}
 
@@ -471,6 +527,8 @@ class _Builder:
         a = self.meta.arrays[stored]
         if key in self.lent:
             data = self.lent[key].data
+        elif self.shared is not None and key in self.shared:
+            data = self.shared[key].out
         elif _plan.box_size(box) > 0:
             data = self.reads.result(key)
         else:

@@ -130,6 +130,7 @@ class LoadOptions:
     inplace: bool = False
     group: Any = None
     io: IOConfig = attrs.field(default=DEFAULT_IO, converter=io_config)
+    share_reads: bool = False
 
 
 class SaveKeywords(TypedDict, total=False):
@@ -163,6 +164,7 @@ class LoadKeywords(TypedDict, total=False):
     inplace: bool
     group: Any
     io: IOConfig | None
+    share_reads: bool
 
 
 def options_of(cls: type, keywords: Mapping[str, Any], verb: str, allowed: type) -> Any:

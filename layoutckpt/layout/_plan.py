@@ -594,3 +594,43 @@ def shard_pieces(box: Box, shard_shape: Sequence[int]) -> list[Box]:
         for (a, b), s in zip(box, shard_shape)
     ]
     return [tuple(piece) for piece in itertools.product(*per_dim)]
+
+
+# Ranks holding one box that share its read (``load(..., share_reads=True)``), at most: each
+# sends its part to every other, so a rank's sends per box stay below this many while storage
+# serves each box this many times less.
+SHARE_GROUP = 8
+
+
+def sharing_ranks(mesh: Mesh, spec: P, rank: int, stages: Sequence[str] = ()) -> tuple[int, ...]:
+    """The ranks that share the read of ``rank``'s box under ``spec``, in rank order, ``rank``
+    among them: the ranks at its coordinates along the axes the spec splits by and the
+    ``stages`` axes (whose ranks hold other arrays), which hold the same box; in consecutive
+    groups of at most ``SHARE_GROUP``."""
+    used = {a for entry in spec for a in entry_axes(entry)} | set(stages)
+    coords = mesh.coords(rank)
+    free = [a for a in mesh.axis_names if a not in used]
+    holders = []
+    for at in itertools.product(*(range(mesh.axis_size(a)) for a in free)):
+        holders.append(mesh.rank_of({**coords, **dict(zip(free, at))}))
+    holders.sort()
+    first = holders.index(rank) // SHARE_GROUP * SHARE_GROUP
+    return tuple(holders[first : first + SHARE_GROUP])
+
+
+def shared_parts(box: Box, rows: int, readers: int, offset: int = 0) -> list[Box | None]:
+    """``box`` cut along its first dimension into ``readers`` parts, one per reader, at multiples
+    of ``rows`` (an inner chunk's first dimension), so that no inner chunk is read by two of
+    them; as even as whole chunk rows allow. Where there are fewer chunk rows than readers,
+    some readers get None; ``offset`` rotates which (reader ``i`` takes part ``(i + offset) %
+    readers``), so that many small boxes do not all fall to the first reader. A 0-d box is
+    one part."""
+    if not box:
+        parts: list[Box | None] = [box] + [None] * (readers - 1)
+    else:
+        start, stop = box[0]
+        cuts = [start, *range(start // rows * rows + rows, stop, rows), stop]
+        units = len(cuts) - 1
+        edges = [cuts[units * j // readers] for j in range(readers)] + [stop]
+        parts = [((a, b), *box[1:]) if b > a else None for a, b in itertools.pairwise(edges)]
+    return [parts[(i + offset) % readers] for i in range(readers)]

@@ -167,3 +167,12 @@ def test_the_pack_index_benchmark_finds_every_shard_in_its_writers_databases(tmp
     proc = run_benchmark("pack_index.py", *small)
     nodes = dict(re.findall(r"^(merged root|writers' databases) .* B\+tree nodes read (\d+)$", proc.stdout, re.M))
     assert nodes == {"merged root": "1", "writers' databases": str(writers_nodes)}, proc.stdout
+
+
+def test_the_shared_reads_benchmark_fetches_the_state_once_when_shared():
+    """``shared_reads.py`` on 2 ranks: alone, the ranks fetch the state from S3 twice over;
+    sharing, once (each array's parts, and their indexes)."""
+    proc = run_benchmark("shared_reads.py", "--gb", "0.005", "--ranks", "2", "--repeats", "1")
+    fetched = {way: float(x) for way, x in re.findall(r"^(alone|shared) .* ([\d.]+)$", proc.stdout, re.M)}
+    assert set(fetched) == {"alone", "shared"}, proc.stdout
+    assert fetched["alone"] >= 2.0 and fetched["shared"] < 1.2, proc.stdout

@@ -1,0 +1,129 @@
+"""Loads whose replicas share their reads (``share_reads=True``), on 4 real gloo ranks.
+
+What this file proves: under ``Mesh({"dp": 2, "tp": 2})`` the data-parallel replicas of each
+tensor-parallel shard, and all four holders of a replicated array, each read a part of the box
+and exchange the parts: every rank ends with the same bits as a load that reads alone, in new
+tensors and in place, while the ranks together read about half the bytes from storage; ranks
+that load different arrays read alone, as do the others when one rank's plan fails; damage to a
+part one rank reads fails the load on every rank, naming it, instead of leaving the others
+waiting.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import layoutckpt as lc
+from layoutckpt.storage import _shardread
+from tests.support.oracle import local_shard
+
+AXES = {"dp": 2, "tp": 2}
+RULES = [(r"^w\d", lc.P("tp", None)), (r"^emb$", lc.P(("dp", "tp"))), (r".*", lc.P())]
+SPECS = {"w0": ("tp", None), "w1": ("tp", None), "emb": (("dp", "tp"),), "norm": (), "step_scale": ()}
+
+
+def full(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    shapes = {"w0": (64, 48), "w1": (40, 24), "emb": (96, 16), "norm": (48,), "step_scale": ()}
+    t = torch.randn(shapes[name], generator=g)
+    return t.to(torch.bfloat16) if name == "w1" else t
+
+
+def layout() -> lc.Layout:
+    return lc.Layout(lc.Mesh(AXES), RULES)
+
+
+def _save(rank, group, path):
+    state = {name: full(name) for name in SPECS}
+    lc.save(path, state, lc.Layout(lc.Mesh({"dp": 1}), [(r".*", lc.P())]), inner_chunk_bytes=512)
+    return True
+
+
+def _load(rank, group, path, share, inplace, select):
+    like = None
+    if inplace:
+        like = {n: torch.zeros_like(local_shard(full(n), SPECS[n], AXES, rank)) for n in SPECS}
+    before = _shardread.bytes_read()
+    out = lc.load(path, layout(), group=group, share_reads=share, like=like, inplace=inplace, select=select)
+    read = _shardread.bytes_read() - before
+    for name, got in out.items():
+        want = local_shard(full(name), SPECS[name], AXES, rank)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+        if inplace:
+            assert got is like[name]
+    return read
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("shared") / "ck")
+    _save(0, None, path)
+    return path
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_replicas_read_parts_and_exchange_them(ranks, saved, inplace):
+    alone = ranks.run(_load, 4, saved, False, inplace, None)
+    shared = ranks.run(_load, 4, saved, True, inplace, None)
+    # w0, w1 are read by 2 replicas each, norm and step_scale by 4, emb by one: together the
+    # ranks now read about half (the parts' indexes and binding blocks aside).
+    assert sum(shared) < 0.6 * sum(alone), (shared, alone)
+    assert all(s <= a for s, a in zip(shared, alone)), (shared, alone)
+
+
+def _differ(rank, group, path, share):
+    select = (lambda n: n != "norm") if rank == 0 else None
+    return _load(rank, group, path, share, False, select)
+
+
+def test_ranks_that_load_different_arrays_read_alone(ranks, saved):
+    """Rank 0 selects one array fewer: the ranks do not agree to share, and each reads its own
+    boxes whole (the same bytes as without the option)."""
+    assert ranks.run(_differ, 4, saved, True) == ranks.run(_differ, 4, saved, False)
+
+
+def _load_damaged(rank, group, path):
+    try:
+        lc.load(path, layout(), group=group, share_reads=True)
+    except (lc.IntegrityError, RuntimeError) as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+def test_damage_to_one_ranks_part_fails_every_rank(ranks, saved, tmp_path):
+    """The last chunk row of ``norm``'s only shard is read by one of the four sharers: each
+    rank fails with ``IntegrityError``, the others naming that rank, and none hangs."""
+    copy = tmp_path / "ck"
+    shutil.copytree(saved, copy)
+    shard = Path(copy, "norm", "c.0")
+    raw = bytearray(shard.read_bytes())
+    raw[0] ^= 0xFF  # the first chunk's first byte: its crc32c fails
+    shard.write_bytes(bytes(raw))
+    got = ranks.run(_load_damaged, 4, str(copy))
+    assert all(g is not None and g[0] == "IntegrityError" for g in got), got
+    assert sum("norm" in g[1] and "other ranks" not in g[1] for g in got) == 1, got
+    assert all("norm" in g[1] for g in got), got
+    np.testing.assert_equal(len(got), 4)
+
+
+def _one_bad_template(rank, group, path):
+    like = {n: torch.zeros_like(local_shard(full(n), SPECS[n], AXES, rank)) for n in SPECS}
+    if rank == 1:
+        like["w0"] = torch.zeros(3, 3)  # not the shape rank 1 loads
+    try:
+        out = lc.load(path, layout(), group=group, share_reads=True, like=like)
+    except lc.TemplateMismatchError as err:
+        return "w0" in str(err)
+    return all(torch.equal(out[n], local_shard(full(n), SPECS[n], AXES, rank)) for n in SPECS)
+
+
+def test_a_rank_whose_plan_fails_lets_the_others_read_alone(ranks, saved):
+    """Rank 1's template is wrong: it raises ``TemplateMismatchError`` naming the array, and
+    the other ranks, told so by the agreement, load their boxes alone instead of waiting."""
+    assert ranks.run(_one_bad_template, 4, saved, timeout=60) == [True, True, True, True]
