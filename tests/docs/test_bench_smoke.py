@@ -176,3 +176,10 @@ def test_the_shared_reads_benchmark_fetches_the_state_once_when_shared():
     fetched = {way: float(x) for way, x in re.findall(r"^(alone|shared) .* ([\d.]+)$", proc.stdout, re.M)}
     assert set(fetched) == {"alone", "shared"}, proc.stdout
     assert fetched["alone"] >= 2.0 and fetched["shared"] < 1.2, proc.stdout
+
+
+def test_the_per_array_benchmark_reports_every_operation(tmp_path):
+    """``per_array.py`` on 40 arrays: a row per operation, each with layoutckpt's figure."""
+    proc = run_benchmark("per_array.py", "--arrays", "40", "--repeats", "1", "--dir", str(tmp_path))
+    for op in ("save", "save_async blocked", "tier save blocked", "load in place"):
+        assert re.search(rf"^{op} +\d+ \(", proc.stdout, re.M), proc.stdout
