@@ -609,13 +609,21 @@ def sharing_ranks(mesh: Mesh, spec: P, rank: int, stages: Sequence[str] = ()) ->
     groups of at most ``SHARE_GROUP``."""
     used = {a for entry in spec for a in entry_axes(entry)} | set(stages)
     coords = mesh.coords(rank)
-    free = [a for a in mesh.axis_names if a not in used]
-    holders = []
-    for at in itertools.product(*(range(mesh.axis_size(a)) for a in free)):
-        holders.append(mesh.rank_of({**coords, **dict(zip(free, at))}))
-    holders.sort()
-    first = holders.index(rank) // SHARE_GROUP * SHARE_GROUP
-    return tuple(holders[first : first + SHARE_GROUP])
+    free = [(a, mesh.axis_size(a)) for a in mesh.axis_names if a not in used]
+    # The holders differ from ``rank`` along the free axes alone, so in rank order they run
+    # through those axes' coordinates row-major: the group is found without listing them all
+    # (a replicated array has as many holders as the world).
+    at = 0
+    for a, n in free:
+        at = at * n + coords[a]
+    first = at // SHARE_GROUP * SHARE_GROUP
+    group = []
+    for i in range(first, min(first + SHARE_GROUP, math.prod(n for _, n in free))):
+        place = dict(coords)
+        for a, n in reversed(free):
+            i, place[a] = divmod(i, n)
+        group.append(mesh.rank_of(place))
+    return tuple(group)
 
 
 def shared_parts(box: Box, rows: int, readers: int, offset: int = 0) -> list[Box | None]:
