@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import crc32c
 import numpy as np
@@ -136,7 +137,13 @@ def test_read_cached_reads_only_what_the_page_cache_holds(tmp_path):
         view = np.zeros_like(data)
         assert _os.read_cached(fd, view, 0) == (len(view) if tells else 0)
         assert not tells or view.tobytes() == data.tobytes()
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        # The kernel now and then keeps a just-written file's pages through one request to drop
+        # them (about 1 in 150 here, beside other processes): ask again before judging.
+        for _ in range(20):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if _os.read_cached(fd, np.zeros_like(data), 0) == 0:
+                break
+            time.sleep(0.05)
         assert _os.read_cached(fd, np.zeros_like(data), 0) == 0
     finally:
         os.close(fd)
