@@ -32,7 +32,7 @@ from .layout import _flat, _plan
 from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._names import to_global
-from .layout._spec import Mesh, P, check_spec
+from .layout._spec import P, check_spec
 from .layout._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 from .layout._views import Cut, Fused, Padded, part_name
 from .storage import _store
@@ -89,8 +89,9 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
     replicas of a data-parallel layout) share its read: each reads whole inner-chunk rows of
     it, up to 8 ranks per box, and sends them to the others over the process group, so storage
     serves each box once per 8 replicas rather than once per replica (an object store's
-    requests and egress, a parallel file system's bandwidth). Loads whose ranks of one stage
-    load different arrays read alone, as without it.
+    requests and egress, a parallel file system's bandwidth); the parts of fused and padded
+    leaves too, not the pieces of flat buffers. Loads whose ranks of one stage load different
+    arrays read alone, as without it.
 
     A path or layout of the wrong kind (a template passed as ``layout``) raises ``TypeError``,
     a missing checkpoint ``CheckpointNotFoundError``, a layout that does not fit an array
@@ -180,8 +181,8 @@ class _LoadPlan:
     flats: dict[str, FlatReads]
     options: LoadOptions
     composites: dict[str, Composite] = attrs.field(factory=dict)
-    # The mesh and spec that give each box of ``targets`` (which ranks hold the same box).
-    holders: dict[Target, tuple[Mesh, P]] = attrs.field(factory=dict)
+    # What places each box of ``targets`` and ``composites`` (which ranks hold the same box).
+    holders: dict[Target, _shared_reads.Holding] = attrs.field(factory=dict)
 
     def requests(
         self, meta: CheckpointMeta, lent: dict[Target, Lease], sharing: dict[Target, _shared_reads.Sharing] | None
@@ -279,12 +280,11 @@ def _sharing(
     plan: _LoadPlan, meta: CheckpointMeta, layout: Layout | None, comm: Any, lent: dict[Target, Lease]
 ) -> dict[Target, _shared_reads.Sharing] | None:
     """This rank's part in the reads it shares (``share_reads``); None unless every rank agrees
-    to share (``_shared_reads.agree``). Boxes also read for flat buffers or fused and padded
-    leaves are read whole."""
+    to share (``_shared_reads.agree``). Boxes also read for flat buffers are read whole: a
+    flat buffer's pieces follow from the rank's place in it, not from a spec."""
     if not plan.options.share_reads or comm.world == 1:
         return None
     parts = {key for _, _, ps in plan.flats.values() for key, *_ in ps}
-    parts |= {key for c in plan.composites.values() for key, _ in c.parts}
     holders = {key: how for key, how in plan.holders.items() if key not in parts and _plan.box_size(key[1]) > 0}
     stages = (layout.mesh, layout.stage_axes) if layout is not None and layout.stage_axes else None
     if not _shared_reads.agree(comm, stages, holders, set(lent)):
@@ -348,14 +348,14 @@ def _targets(
     user_layout: Layout | None,
     comm: Any,
     global_names: dict[str, str],
-) -> tuple[dict[str, Target], dict[str, FlatReads], dict[str, Composite], dict[Target, tuple[Mesh, P]]]:
+) -> tuple[dict[str, Target], dict[str, FlatReads], dict[str, Composite], dict[Target, _shared_reads.Holding]]:
     """The box of every named array this rank loads, the reads of its flat buffers, and of its
     fused and padded leaves; and the mesh and spec each box comes from."""
     stored_leaves = meta.leaves
     targets: dict[str, Target] = {}
     flats: dict[str, FlatReads] = {}
     composites: dict[str, Composite] = {}
-    holders: dict[Target, tuple[Mesh, P]] = {}
+    holders: dict[Target, _shared_reads.Holding] = {}
     for name in names:
         target = template.get(name)
         gname = global_names.get(name, name)
@@ -366,7 +366,9 @@ def _targets(
         rule = layout.rule_for(gname) if user_layout is not None and target is not None else None
         view = rule[1] if rule is not None else None
         if isinstance(view, Fused | Padded) and not is_dtensor(target):
-            composites[name] = _plan_view(gname, view, target, meta, layout.mesh, comm.rank)
+            composites[name] = c = _plan_view(gname, view, target, meta, layout.mesh, comm.rank)
+            decides = f"{view!r} {tuple(target.shape)}"  # the template's shape cuts the parts
+            holders.update({key: (layout.mesh, view.spec, decides) for key, _ in c.parts})
             continue
         stored = _stored_name(gname, stored_leaves)
         if stored is None:
@@ -383,7 +385,7 @@ def _targets(
             local = target.to_local() if is_dtensor(target) else target
             _check_template(name, local, a, _plan.box_shape(box), spec)
         targets[name] = (stored, box)
-        holders[(stored, box)] = (mesh, spec)
+        holders[(stored, box)] = (mesh, spec, "")
     return targets, flats, composites, holders
 
 
@@ -522,17 +524,20 @@ class _Builder:
             self.built[key] = t
         return self.built[key]
 
-    def shard(self, name: str) -> Any:
-        stored, box = key = self.plan.targets[name]
-        a = self.meta.arrays[stored]
+    def box(self, key: Target) -> np.ndarray:
+        """The data of one box: lent, assembled from shared parts, read, or empty."""
         if key in self.lent:
-            data = self.lent[key].data
-        elif self.shared is not None and key in self.shared:
-            data = self.shared[key].out
-        elif _plan.box_size(box) > 0:
-            data = self.reads.result(key)
-        else:
-            data = np.zeros(_plan.box_shape(box), numpy_dtype(a.dtype))
+            return self.lent[key].data
+        if self.shared is not None and key in self.shared:
+            return self.shared[key].out
+        if _plan.box_size(key[1]) > 0:
+            return self.reads.result(key)
+        return np.zeros(_plan.box_shape(key[1]), numpy_dtype(self.meta.arrays[key[0]].dtype))
+
+    def shard(self, name: str) -> Any:
+        key = self.plan.targets[name]
+        a = self.meta.arrays[key[0]]
+        data = self.box(key)
         kind = a.kind
         target = self.plan.template.get(name)
         if target is not None:
@@ -548,7 +553,7 @@ class _Builder:
         out = np.full(c.shape, c.fill, dtype=numpy_dtype(c.dtype))
         for key, cut in c.parts:
             if _plan.box_size(key[1]) > 0:
-                cut.place(out, self.reads.result(key))
+                cut.place(out, self.box(key))
         if isinstance(self.plan.template.get(name), np.ndarray) or not installed():
             return out
         return _as_tensor(out, c.dtype)

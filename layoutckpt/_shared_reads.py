@@ -29,6 +29,9 @@ from .layout._spec import Mesh, P
 from .torch._dist import Comm, digest
 
 Target = tuple[str, _plan.Box]
+# The mesh and spec that place a box, and what else decides it that every rank of a stage must
+# agree on: for a part of a fused or padded leaf, the view and the template's shape ("" else).
+Holding = tuple[Mesh, P, str]
 
 
 @attrs.frozen
@@ -53,13 +56,13 @@ Stages = tuple[Mesh, tuple[str, ...]]  # the layout's mesh and its stage axes
 
 
 def plan(
-    holders: Mapping[Target, tuple[Mesh, P]], arrays: Mapping[str, ArrayMeta], rank: int, stages: Stages | None
+    holders: Mapping[Target, Holding], arrays: Mapping[str, ArrayMeta], rank: int, stages: Stages | None
 ) -> dict[Target, Sharing]:
     """The boxes this rank shares, each with its sharers and their parts (pure). ``holders``
     gives each box's mesh and spec; ranks at other coordinates of the stage axes hold other
     arrays, and share nothing."""
     out = {}
-    for (stored, box), (mesh, spec) in holders.items():
+    for (stored, box), (mesh, spec, _) in holders.items():
         fixed = [a for a in stages[1] if a in mesh.axis_names] if stages is not None else []
         ranks = _plan.sharing_ranks(mesh, spec, rank, fixed)
         if len(ranks) < 2:
@@ -73,17 +76,17 @@ def plan(
     return out
 
 
-def agree(
-    comm: Comm, stages: Stages | None, holders: Mapping[Target, tuple[Mesh, P]] | None, lent: set[Target]
-) -> bool:
+def agree(comm: Comm, stages: Stages | None, holders: Mapping[Target, Holding] | None, lent: set[Target]) -> bool:
     """Whether every rank may share: the ranks of each pipeline stage load the same arrays with
-    the same meshes and specs, and lend (``BoxReader.lend``) the same ones. One all-gather of
+    the same meshes, specs and views, and lend (``BoxReader.lend``) the same ones. One all-gather of
     a digest; the same answer on every rank. A rank whose plan failed (``holders`` None) takes
     part before it raises, so that its stage's ranks read alone rather than wait for it."""
     if holders is None:
         mine: list[object] = ["failed", comm.rank]
     else:
-        mine = sorted((stored, repr(m), repr(s), (stored, box) in lent) for (stored, box), (m, s) in holders.items())
+        mine = sorted(
+            (stored, repr(m), repr(s), view, (stored, box) in lent) for (stored, box), (m, s, view) in holders.items()
+        )
     found = comm.all_gather_bytes(b"".join(w.to_bytes(8, "little") for w in digest(mine)))
     by_stage: dict[tuple[int, ...], bytes] = {}
     for rank, got in enumerate(found):

@@ -6,7 +6,8 @@ and exchange the parts: every rank ends with the same bits as a load that reads 
 tensors and in place, while the ranks together read about half the bytes from storage; ranks
 that load different arrays read alone, as do the others when one rank's plan fails; damage to a
 part one rank reads fails the load on every rank, naming it, instead of leaving the others
-waiting.
+waiting. The parts of fused and padded leaves (a fused gate-up projection, a padded
+vocabulary) are shared like any other box.
 """
 
 from __future__ import annotations
@@ -127,3 +128,49 @@ def test_a_rank_whose_plan_fails_lets_the_others_read_alone(ranks, saved):
     """Rank 1's template is wrong: it raises ``TemplateMismatchError`` naming the array, and
     the other ranks, told so by the agreement, load their boxes alone instead of waiting."""
     assert ranks.run(_one_bad_template, 4, saved, timeout=60) == [True, True, True, True]
+
+
+VIEWS = [
+    (r"^fc1\.weight$", lc.Fused(lc.P("tp", None), [("gate", 64), ("up", 64)])),
+    (r"^emb\.weight$", lc.Padded(lc.P("tp", None), size=50)),
+]
+
+
+def _stored_views() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {n: torch.randn(shape, generator=g) for n, shape in VIEW_SHAPES.items()}
+
+
+VIEW_SHAPES = {"fc1.gate.weight": (64, 16), "fc1.up.weight": (64, 16), "emb.weight": (50, 16)}
+
+
+def _views_expected(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's fused [gate; up] rows and its 26 rows of the vocabulary padded to 52."""
+    tp = rank % 2
+    full_ = _stored_views()
+    fc1 = torch.cat([full_["fc1.gate.weight"][32 * tp : 32 * tp + 32], full_["fc1.up.weight"][32 * tp : 32 * tp + 32]])
+    emb = torch.zeros(52, 16)
+    emb[:50] = full_["emb.weight"]
+    return {"fc1.weight": fc1, "emb.weight": emb[26 * tp : 26 * tp + 26]}
+
+
+def _load_views(rank, group, path, share, inplace):
+    like = {n: torch.zeros_like(t) for n, t in _views_expected(rank).items()}
+    before = _shardread.bytes_read()
+    out = lc.load(path, lc.Layout(lc.Mesh(AXES), VIEWS), group=group, share_reads=share, like=like, inplace=inplace)
+    read = _shardread.bytes_read() - before
+    for name, want in _views_expected(rank).items():
+        assert torch.equal(out[name], want), name
+    return read
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_parts_of_fused_and_padded_leaves_are_shared(ranks, tmp_path, inplace):
+    """Each tensor-parallel rank's gate and up rows and its vocabulary rows are read by its two
+    data-parallel replicas: sharing, each reads about half of them."""
+    path = str(tmp_path / "ck")
+    lc.save(path, _stored_views(), lc.Layout(lc.Mesh({"dp": 1}), [(r".*", lc.P())]), inner_chunk_bytes=512)
+    alone = ranks.run(_load_views, 4, path, False, inplace)
+    shared = ranks.run(_load_views, 4, path, True, inplace)
+    assert sum(shared) < 0.7 * sum(alone), (shared, alone)
+    assert all(s < a for s, a in zip(shared, alone)), (shared, alone)
