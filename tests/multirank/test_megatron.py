@@ -16,7 +16,9 @@ q/k/v and gate/up projections, ``lc.Rename`` rules): parameters bit-equal to the
 that parallelism, logits on a fixed batch equal the reference's. Bad declarations (fused part
 sizes that do not add up, a padding smaller than the vocabulary, a renumbering that maps two
 local names onto one global) are refused with ``LayoutError`` on every rank, before anything is
-written; so is a load that splits 2 query groups over 4 tp ranks (replicated KV heads).
+written; so is a load that splits 2 query groups over 4 tp ranks (replicated KV heads). At
+PP=1 x DP=2 x TP=2 with ``share_reads=True``, the data-parallel replicas split the reads of
+their fused and padded tensors and end bit-equal.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pytest
 import torch
 
 import layoutckpt as lc
+from layoutckpt.storage import _shardread
 from tests.support import megatron
 from tests.support.multirank import RankPool
 from tests.support.oracle import leaves
@@ -50,8 +53,10 @@ def layout(
     per: int | None = None,
     fc1_sizes: tuple[int, int] | None = None,
     vocab: int | None = None,
+    dp: int = 1,
 ) -> lc.Layout:
-    """The Megatron layout at PP=pp x TP=tp; the keywords spoil one declaration for the refusals."""
+    """The Megatron layout at PP=pp x TP=tp (x DP=dp replicas); the other keywords spoil one
+    declaration for the refusals."""
     qkv = lc.Fused(
         lc.P("tp", None),
         [("q", cfg.q_per_group * cfg.head_dim), ("k", cfg.head_dim), ("v", cfg.head_dim)],
@@ -66,7 +71,8 @@ def layout(
         (r".*", lc.P()),
     ]
     names = [lc.Renumber(r"^decoder\.layers\.(\d+)\.", axis="pp", per=per or cfg.layers // pp)]
-    return lc.Layout(lc.Mesh({"pp": pp, "tp": tp}), rules, names=names)
+    axes = {"pp": pp, "tp": tp} if dp == 1 else {"pp": pp, "dp": dp, "tp": tp}
+    return lc.Layout(lc.Mesh(axes), rules, names=names)
 
 
 def hf_layout() -> lc.Layout:
@@ -254,6 +260,28 @@ def test_load_on_four_ranks(
         assert result["same_objects"], rank
     for logits in _logits_of([r["logits"] for r in results], pp, tp):
         torch.testing.assert_close(logits, reference, **TOL)
+
+
+def _load_shared(rank: int, group: Any, path: str, share: bool) -> tuple[dict[str, torch.Tensor], int]:
+    """At PP=1 x DP=2 x TP=2, in place: the two replicas of each tp rank load the same fused
+    QKV and gate-up parts and the same padded vocabulary rows."""
+    model = megatron.build_stage(megatron.global_weights(CFG, SEED + 1), CFG, 1, 2, 0, rank % 2, pad_value=PAD)
+    before = _shardread.bytes_read()
+    lc.load(path, layout(1, 2, dp=2), like=model.state_dict(), inplace=True, group=group, share_reads=share)
+    return _clone(model.state_dict()), _shardread.bytes_read() - before
+
+
+def test_data_parallel_replicas_share_the_reads_of_fused_and_padded_parts(
+    ranks: RankPool, saved: tuple[Path, list[Any]], weights: dict[str, torch.Tensor]
+) -> None:
+    """``share_reads=True`` under PP=1 x DP=2 x TP=2: each replica reads part of its tp rank's
+    fused and padded tensors and receives the rest; both end bit-equal to the derived shards."""
+    alone = ranks.run(_load_shared, 4, os.fspath(saved[0]), False)
+    shared = ranks.run(_load_shared, 4, os.fspath(saved[0]), True)
+    for rank, (got, _) in enumerate(shared):
+        _assert_bits(got, megatron.megatron_shards(weights, CFG, 1, 2, 0, rank % 2, pad_value=0.0), f"rank {rank}")
+    read_alone, read_shared = sum(n for _, n in alone), sum(n for _, n in shared)
+    assert read_shared < 0.6 * read_alone, (read_shared, read_alone)
 
 
 def test_load_at_tp1_in_one_plain_process(
