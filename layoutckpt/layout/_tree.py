@@ -30,11 +30,12 @@ MAX_PART_BYTES = 255
 MAX_PATH_BYTES = 2048
 
 
+_NUMPY_LEAVES = (np.ndarray, np.generic)
+
+
 def is_array_leaf(x: object) -> bool:
-    if isinstance(x, np.ndarray | np.generic):
-        return True
     torch = sys.modules.get("torch")  # a tensor cannot exist before torch is imported
-    return torch is not None and isinstance(x, torch.Tensor)
+    return (torch is not None and isinstance(x, torch.Tensor)) or isinstance(x, _NUMPY_LEAVES)
 
 
 @functools.lru_cache(maxsize=65536)  # the same names, save after save

@@ -15,17 +15,21 @@ from typing import Any
 
 
 class _Lazy:
-    """A module imported on its first attribute access (ImportError then if it is absent)."""
+    """A module imported on its first attribute access (ImportError then if it is absent).
 
-    __slots__ = ("_name",)
+    Each attribute found is kept on this object: ``__getattr__`` runs only after the ordinary
+    lookup has failed, which costs about 1.5 us, and a save or load looks up torch's attributes
+    for every tensor it holds. Module attributes are functions, classes and constants, which
+    torch does not rebind."""
 
     def __init__(self, name: str) -> None:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        # sys.modules first: a save looks up torch's attributes for every tensor it holds.
         module = sys.modules.get(self._name) or importlib.import_module(self._name)
-        return getattr(module, attr)
+        value = getattr(module, attr)
+        setattr(self, attr, value)
+        return value
 
     def __repr__(self) -> str:
         return f"<lazy module {self._name!r}>"
