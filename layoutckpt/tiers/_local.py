@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -130,7 +131,15 @@ def like(new: Any, old: Any) -> Any:
     if type(new) is list:
         items = [like(v, o) for v, o in zip(new, old)] + new[len(old) :]
         return old if len(new) == len(old) and all(a is b for a, b in zip(items, old)) else items
-    return old if new == old else new
+    return old if same(new, old) else new
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two JSON values are the same: equal, of one type (``1 == 1.0 == True``), and
+    of one sign where they are floats (``-0.0 == 0.0``)."""
+    if type(a) is not type(b) or a != b:
+        return False
+    return type(a) is not float or math.copysign(1.0, a) == math.copysign(1.0, b)
 
 
 def empty_arrays(meta: CheckpointMeta, acquire: Any, view: Any = None) -> dict[str, Any]:

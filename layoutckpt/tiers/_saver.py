@@ -33,7 +33,7 @@ from ..torch._dist import Comm
 from ..torch._staging import HostBuffers
 from ._local import LocalTier, Piece, layout_key, write_piece
 from ._replica import Replicator, wait_all
-from ._stage import Staging, stage
+from ._stage import Staging, Tree, stage
 
 logger = logging.getLogger("layoutckpt")
 # A persist: (step, state of host copies, layout, metadata, rank_state) -> the durable save's future.
@@ -107,7 +107,7 @@ class Tiers:
         self._unreported: list[str] = []
         self._deferred: _Job | None = None
         self._pending: _Job | None = None  # a due persist that waits for the previous one
-        self._tree: Any = None  # the last save's structure (``stage``)
+        self._last_tree: Tree | None = None  # the last save's structure and JSON leaves (``stage``)
         self._writing: collections.deque[SaveFuture] = collections.deque()  # saves not yet written, oldest first
         self._lock = threading.Lock()
         self.replicator = Replicator(comm) if replicas and comm.world > 1 else None
@@ -130,9 +130,9 @@ class Tiers:
         error: BaseException | None = None
         try:
             staging = stage(
-                state, self._pool, step=step, metadata=metadata, rank_state=rank_state, info=info, tree=self._tree
+                state, self._pool, step=step, metadata=metadata, rank_state=rank_state, info=info, last=self._last_tree
             )
-            self._tree = staging.structure
+            self._last_tree = Tree(staging.structure, staging.values)
         except Exception as err:  # noqa: BLE001 - raised below, after the ranks' persist agreement
             error = err
         decision = self._decide(step, error is not None)

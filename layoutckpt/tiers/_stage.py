@@ -23,7 +23,16 @@ from ..layout._tree import flatten, is_array_leaf
 from ..torch._dtensor import is_dtensor
 from ..torch._staging import HostBuffers, side_stream
 from ..torch._torch import is_tensor, torch
-from ._local import Piece, leaf_meta, like, piece_meta
+from ._local import Piece, leaf_meta, like, piece_meta, same
+
+
+@attrs.frozen
+class Tree:
+    """A save's structure and its JSON leaves (by name, as given): what the next save compares
+    its own with."""
+
+    structure: Any
+    values: dict[str, Any]
 
 
 @attrs.define(eq=False)
@@ -42,6 +51,7 @@ class Staging:
     buffers: list[Any] = attrs.field(factory=list)
     holds: int = 1
     event: Any = None  # a CUDA event: the device copies are done once it has passed
+    values: dict[str, Any] = attrs.field(factory=dict)  # the state's JSON leaves, as given
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def hold(self) -> None:
@@ -119,19 +129,19 @@ def stage(
     metadata: Mapping[str, Any] | None,
     rank_state: Any,
     info: dict[str, Any],
-    tree: Any = None,
+    last: Tree | None = None,
 ) -> Staging:
     """Check ``state`` and describe its piece; ``Staging.copy`` copies it. Bad input (a leaf
-    that cannot be stored, metadata that is not JSON) raises here. ``tree`` is the previous
-    save's structure, whose parts are kept where this one's are equal (``like``)."""
+    that cannot be stored, metadata that is not JSON) raises here. ``last`` is the previous
+    save's structure and JSON leaves, whose parts are kept where this one's are equal (``like``)."""
     check_user_metadata(metadata)
     structure, leaves = flatten(state)
-    structure = like(structure, tree)
     rank_doc = _rankstate.document(rank_state, 0, 1) if rank_state is not None else None
-    sources, dtensors = {}, {}
+    sources, dtensors, values = {}, {}, {}
     cuda = False
     for name, leaf in leaves.items():
         if not is_array_leaf(leaf):
+            values[name] = leaf
             continue
         if is_dtensor(leaf):
             dtensors[name] = leaf
@@ -142,13 +152,28 @@ def stage(
         else:  # stored bytes are little-endian (as lc.save stores them): a big-endian array is converted
             a = np.asarray(leaf)
             sources[name] = a.astype(a.dtype.newbyteorder("="))
+    structure = _like_last(structure, values, last)
     # One pool per save: pinned host memory where the state is on a device.
     pool = pool_of(cuda)
     metas = {name: leaf_meta(name, src if is_tensor(src) else leaves[name]) for name, src in sources.items()}
     piece = Piece(piece_meta(metas, structure, step, dict(metadata or {}), info, rank_doc is not None), {}, rank_doc)
     # Ordered here, on the caller's thread: a lazy copy then overlaps the next step's kernels.
     stream = side_stream(sources.values()) if cuda else None
-    return Staging(piece, leaves, structure, dtensors, sources, pool, stream)
+    return Staging(piece, leaves, structure, dtensors, sources, pool, stream, values=values)
+
+
+def _like_last(structure: Any, values: dict[str, Any], last: Tree | None) -> Any:
+    """``like(structure, last.structure)``. A loop saves the same tree every step: where the
+    whole structure compares equal (one comparison in C) and its JSON values are the same,
+    types included (``1 == True``), the last one is kept without a walk in Python."""
+    if last is None:
+        return structure
+    if structure == last.structure and all(same(v, last.values.get(k, _ABSENT)) for k, v in values.items()):
+        return last.structure
+    return like(structure, last.structure)
+
+
+_ABSENT = object()
 
 
 def _buffer(src: Any, pool: HostBuffers, held: list[Any]) -> Any:

@@ -89,6 +89,22 @@ def test_every_step_local_some_persisted_and_restored_bit_exact(tmp_path):
         assert_local(mgr.load(layout), 9, 0, 1)
 
 
+@pytest.mark.parametrize("local", ["memory://tiers-json-{uuid}", "dir"])
+def test_json_leaves_equal_to_the_last_steps_but_in_type_or_sign_come_back_as_saved(tmp_path, local):
+    """A save reuses the last save's structure where it is the same: ``True`` then ``1``,
+    ``1`` then ``1.0`` and ``0.0`` then ``-0.0`` compare equal, yet each step restores its own."""
+    local = str(tmp_path / "l") if local == "dir" else local.format(uuid=uuid.uuid4().hex)
+    values = [True, 1, 1.0, 0.0, -0.0]
+    with lc.CheckpointManager(tmp_path / "d", local=local, local_keep_last=5, persist_every=10**6) as mgr:
+        for step, v in enumerate(values, 1):
+            mgr.save(step, {"w": torch.ones(2), "v": v, "nest": {"v": v}}, lc.Layout.replicated())
+        mgr.wait()
+        for step, v in enumerate(values, 1):
+            out = mgr.load(lc.Layout.replicated(), step=step)
+            for got in (out["v"], out["nest"]["v"]):
+                assert type(got) is type(v) and repr(got) == repr(v), (step, got, v)
+
+
 def test_another_layout_reads_the_durable_tier(tmp_path):
     with lc.CheckpointManager(tmp_path / "d", local=tmp_path / "l", persist_every=2) as mgr:
         for step in (1, 2, 3):
