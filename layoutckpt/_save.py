@@ -31,6 +31,7 @@ from .base import _faults
 from .base._arguments import check_save_arguments
 from .base._errors import InconsistentShardsError, SaveError
 from .base._futures import SaveFuture, swap_in_flight, wait_previous
+from .base._gc import collector_paused
 from .base._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
 from .base._options import SaveAsyncKeywords, SaveKeywords, SaveOptions, options_of
 from .base._version import __version__
@@ -158,6 +159,7 @@ def save_async(
     return start(path, state, layout, options_of(SaveOptions, options, "save_async", SaveAsyncKeywords), copy=True)
 
 
+@collector_paused()
 def start(
     path: str | os.PathLike[str] | Location,
     state: Any,

@@ -29,6 +29,7 @@ import attrs
 from .._save import SaveResult
 from ..base._errors import PersistError, PersistWarning, SaveError
 from ..base._futures import SaveFuture
+from ..base._gc import collector_paused
 from ..torch._dist import Comm
 from ..torch._staging import HostBuffers
 from ._local import LocalTier, Piece, layout_key, write_piece
@@ -120,6 +121,7 @@ class Tiers:
         return self._pools.setdefault(pinned, HostBuffers(None, pinned=pinned))
 
     # The caller's thread -------------------------------------------------------------------------
+    @collector_paused()
     def save(self, step: int, state: Any, layout: Any, *, metadata: Any, rank_state: Any, lazy: bool) -> SaveFuture:
         """Copy ``state`` (now, or on a thread with ``lazy``), and queue its piece's write."""
         self._report()
