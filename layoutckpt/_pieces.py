@@ -10,7 +10,8 @@ the same cuts backwards (``Cut.place``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -55,8 +56,9 @@ class Piece:
     spec: P | Flat | None = None
 
 
-def pieces_of(leaves: Mapping[str, Any]) -> list[Piece]:
-    """Every array leaf as one piece of the stored array of its own name."""
+def pieces_of(leaves: Mapping[str, Any], spec_of: Callable[[str], Any] | None = None) -> list[Piece]:
+    """Every array leaf as one piece of the stored array of its own name; with ``spec_of``,
+    each piece but a DTensor's split as it says (made once, not made and then changed)."""
     out = []
     for name, leaf in leaves.items():
         if is_dtensor(leaf):
@@ -65,13 +67,16 @@ def pieces_of(leaves: Mapping[str, Any]) -> list[Piece]:
             out.append(Piece(name, local, tuple(local.shape), local.element_size(), dtype, "torch", leaf, name))
         elif is_tensor(leaf):
             dtype = tensor_zarr_dtype(leaf, name)
-            out.append(Piece(name, leaf, tuple(leaf.shape), leaf.element_size(), dtype, "torch", local=name))
+            spec = spec_of(name) if spec_of is not None else None
+            out.append(Piece(name, leaf, tuple(leaf.shape), leaf.element_size(), dtype, "torch", local=name, spec=spec))
         elif isinstance(leaf, np.ndarray | np.generic):
             # Stored bytes are little-endian: a big-endian array is converted (a copy), never
             # written as it lies in memory.
             data = np.asarray(leaf).astype(leaf.dtype.newbyteorder("="), copy=False)
             kind = "numpy" if isinstance(leaf, np.ndarray) else "numpy_scalar"
-            out.append(Piece(name, data, data.shape, data.itemsize, zarr_name(data.dtype, name), kind, local=name))
+            dtype = zarr_name(data.dtype, name)
+            spec = spec_of(name) if spec_of is not None else None
+            out.append(Piece(name, data, data.shape, data.itemsize, dtype, kind, local=name, spec=spec))
     return out
 
 
@@ -83,12 +88,13 @@ def uses_views(layout: Layout | None) -> bool:
     return bool(layout.stage_axes or layout.names) or any(isinstance(s, Fused | Padded) for _, s in layout.rules)
 
 
-def localize(pieces: list[Piece], layout: Layout | None, mesh: Mesh, rank: int) -> list[Piece]:
-    """This rank's pieces under global names with their specs, fused and padded leaves cut
-    into their arrays. Raises ``LayoutError`` naming the array when a rule does not fit."""
+def localize(leaves: Mapping[str, Any], layout: Layout | None, mesh: Mesh, rank: int) -> list[Piece]:
+    """This rank's array leaves as pieces under global names with their specs, fused and padded
+    leaves cut into their arrays. Raises ``LayoutError`` naming the array when a rule does not fit."""
     if not uses_views(layout):
-        return [p if p.dtensor is not None else attrs.evolve(p, spec=_spec(layout, p.name)) for p in pieces]
+        return pieces_of(leaves, functools.partial(_spec, layout))
     assert layout is not None
+    pieces = pieces_of(leaves)
     coords = mesh.coords(rank)
     names = to_global(layout.names, [p.local for p in pieces], coords)
     out: list[Piece] = []

@@ -25,7 +25,7 @@ from . import _rankstate
 from ._agreement import agree, call_of, describe_call_disagreement, describe_disagreement
 from ._commit import commit_everywhere
 from ._flatsave import check_flat, expand_flats, flat_names, flat_writes
-from ._pieces import Piece, localize, padded_shard, pieces_of, source_of, tie, tree_nodes, uses_views
+from ._pieces import Piece, localize, padded_shard, source_of, tie, tree_nodes, uses_views
 from ._stages import join, reconcile
 from .base import _faults
 from .base._arguments import check_save_arguments
@@ -233,7 +233,7 @@ def _check_locally(
         if layout is None:
             mesh = default_mesh(leaves, comm.world, comm.global_ranks)
         check_mesh(mesh, comm)
-        pieces = localize(pieces_of(leaves), layout, mesh, comm.rank)
+        pieces = localize(leaves, layout, mesh, comm.rank)
         arrays, shardings, flats = _shardings(comm, pieces, layout, mesh)
         nodes = None
         if uses_views(layout):
