@@ -28,7 +28,7 @@ from .layout._tree import leaf_nodes, retarget
 from .layout._views import Cut, Fused, Padded
 from .torch._dtensor import is_dtensor
 from .torch._tensors import tensor_zarr_dtype
-from .torch._torch import is_tensor
+from .torch._torch import is_tensor, torch
 
 
 @attrs.frozen
@@ -65,18 +65,20 @@ def pieces_of(leaves: Mapping[str, Any], spec_of: Callable[[str], Any] | None = 
             local = leaf.to_local()
             dtype = tensor_zarr_dtype(local, name)
             out.append(Piece(name, local, tuple(local.shape), local.element_size(), dtype, "torch", leaf, name))
-        elif is_tensor(leaf):
+            continue
+        if is_tensor(leaf):
+            data, shape, itemsize, kind = leaf, tuple(leaf.shape), leaf.element_size(), "torch"
             dtype = tensor_zarr_dtype(leaf, name)
-            spec = spec_of(name) if spec_of is not None else None
-            out.append(Piece(name, leaf, tuple(leaf.shape), leaf.element_size(), dtype, "torch", local=name, spec=spec))
         elif isinstance(leaf, np.ndarray | np.generic):
             # Stored bytes are little-endian: a big-endian array is converted (a copy), never
             # written as it lies in memory.
             data = np.asarray(leaf).astype(leaf.dtype.newbyteorder("="), copy=False)
+            shape, itemsize, dtype = data.shape, data.itemsize, zarr_name(data.dtype, name)
             kind = "numpy" if isinstance(leaf, np.ndarray) else "numpy_scalar"
-            dtype = zarr_name(data.dtype, name)
-            spec = spec_of(name) if spec_of is not None else None
-            out.append(Piece(name, data, data.shape, data.itemsize, dtype, kind, local=name, spec=spec))
+        else:
+            continue
+        spec = spec_of(name) if spec_of is not None else None
+        out.append(Piece(name, data, shape, itemsize, dtype, kind, local=name, spec=spec))
     return out
 
 
@@ -155,7 +157,7 @@ def storage_key(leaf: Any) -> Any:
     if is_dtensor(leaf):
         extra = (id(leaf.device_mesh), tuple(leaf.placements), tuple(leaf.shape))
         leaf = leaf.to_local()
-    if not is_tensor(leaf) or leaf.is_meta or str(leaf.layout) != "torch.strided" or leaf.numel() == 0:
+    if not is_tensor(leaf) or leaf.is_meta or leaf.layout != torch.strided or leaf.numel() == 0:
         return None
     # Tensors that start at the same address with the same shape, strides and dtype are views
     # of the same elements: the address includes the storage offset.
