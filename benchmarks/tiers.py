@@ -195,7 +195,8 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                 # A step only the durable tier holds (the fast tier keeps the last two).
                 with lc.CheckpointManager(durable) as plain:
                     persisted = min(plain.steps())
-                if mode == "tiers":  # the lazy mode's checkpoints are the same
+                # One mode's restores: the lazy mode's checkpoints are the same as the tiers mode's.
+                if mode == next(m for m in opts["modes"] if m in ("tiers", "lazy")):
                     restore.append(_restore(lc, durable, local.format(run=run), layout, persisted, dist, state, done))
                 mine = local.format(run=run).replace("{rank}", str(rank))
                 if opts["local"] == "memory":  # the held pieces stay for the process otherwise
