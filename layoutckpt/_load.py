@@ -41,6 +41,7 @@ from .storage._packs import arrays_of
 from .storage._readers import BoxReader, Lease
 from .torch._dist import check_mesh, comm_for
 from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
+from .torch._pinned import HostArena
 from .torch._torch import installed, is_tensor
 
 Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
@@ -73,12 +74,13 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
 
     With ``like=`` the result takes the template's tree, and each template leaf must match the
     shape and dtype this rank would load (else ``TemplateMismatchError``); a loaded tensor goes
-    to its template leaf's device. With ``strict`` (default) stored arrays the template lacks
-    are an error, not a silent drop. A ``DTensor`` in the template is loaded as a DTensor with
-    its mesh and placements (no rule needed; its tensors may be on ``meta``). With
-    ``inplace=True`` the data goes into the template's tensors, which are returned: CPU tensors of
-    the stored dtype are read into directly (a load that fails on damage has then overwritten
-    part of them), others are copied into once read.
+    to its template leaf's device (onto a GPU from host memory page-locked for the copy). With
+    ``strict`` (default) stored arrays the template lacks are an error, not a silent drop. A
+    ``DTensor`` in the template is loaded as a DTensor with its mesh and placements (no rule
+    needed; its tensors may be on ``meta``). With ``inplace=True`` the data goes into the
+    template's tensors, which are returned: CPU tensors of the stored dtype are read into
+    directly (a load that fails on damage has then overwritten part of them), others are copied
+    into once read.
     ``select`` loads only some leaves, the rest left out of the result: a regex
     (``re.search``-ed in each global name), a callable ``name -> bool``, or an iterable of
     names (a name the checkpoint lacks raises ``KeyError``). ``group`` is the
@@ -134,7 +136,7 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
         raise
     reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
     lent = plan.lent(meta, reader)
-    wanted = plan.requests(meta, lent, _sharing(plan, meta, layout, comm, lent))
+    wanted = plan.requests(meta, lent, _sharing(plan, meta, layout, comm, lent), plan.arena(meta, lent))
     reads = BackgroundReads(reader, wanted.reads, options.io)
     phases.since("plan", t0)
     fut: LoadFuture[Any] = LoadFuture(
@@ -160,14 +162,20 @@ class Composite:
 
 @attrs.frozen
 class _Requests:
-    """A load's reads, the template leaves they fill in place (``filled``), and the boxes its
-    reader lends instead (``lent``: copied to the device straight from the reader's memory)."""
+    """A load's reads, the template leaves they fill in place (``filled``), the boxes its
+    reader lends instead (``lent``: copied to the device straight from the reader's memory),
+    and the host arena that boxes bound for a GPU are read into (``arena``)."""
 
     reads: list[BoxRead]
     filled: frozenset[str]
     lent: dict[Target, Lease]
     # Where the ranks agreed to share reads (``share_reads``), the boxes this rank shares.
     shared: dict[Target, _shared_reads.Shared] | None = None
+    arena: HostArena | None = None
+
+    def copied_async(self) -> set[Target]:
+        """The boxes whose copies to a device run without blocking: from page-locked memory."""
+        return set(self.lent) | (set(self.arena.offsets) if self.arena is not None else set())
 
 
 @attrs.frozen
@@ -185,15 +193,24 @@ class _LoadPlan:
     holders: dict[Target, _shared_reads.Holding] = attrs.field(factory=dict)
 
     def requests(
-        self, meta: CheckpointMeta, lent: dict[Target, Lease], sharing: dict[Target, _shared_reads.Sharing] | None
+        self,
+        meta: CheckpointMeta,
+        lent: dict[Target, Lease],
+        sharing: dict[Target, _shared_reads.Sharing] | None,
+        arena: HostArena | None = None,
     ) -> _Requests:
         """Every read, the template leaves that the reads fill in place (``destinations``), the
-        boxes the reader lends instead of reading them (``lent``), and the boxes whose reads
-        this rank shares with others (``sharing``): of those it reads only its part."""
+        boxes the reader lends instead of reading them (``lent``), the boxes whose reads this
+        rank shares with others (``sharing``): of those it reads only its part, and the boxes
+        read into ``arena`` (bound for a GPU)."""
         boxes = list(self.targets.values()) + [key for _, _, parts in self.flats.values() for key, *_ in parts]
         boxes += [key for c in self.composites.values() for key, _ in c.parts]
         direct = self.destinations(meta)
         outs = {key: view for key, (_, view) in direct.items()}
+        if arena is not None:
+            for key in arena.offsets:
+                dtype = numpy_dtype(meta.arrays[key[0]].dtype)
+                outs[key] = arena.view(key, _plan.box_shape(key[1]), dtype)
         shared = None
         if sharing is not None:
             shared = {
@@ -212,24 +229,41 @@ class _LoadPlan:
                     reads.append(BoxRead(stored, meta.arrays[stored], part, out=out, key=key))
                 continue
             reads.append(BoxRead(stored, meta.arrays[stored], box, out=outs.get(key), key=key))
-        return _Requests(reads, frozenset(name for name, _ in direct.values()), lent, shared)
+        return _Requests(reads, frozenset(name for name, _ in direct.values()), lent, shared, arena)
+
+    def device_bound(self) -> dict[Target, set[str]]:
+        """The boxes that go only to template leaves off the host (a GPU), with the kinds of
+        those leaves' devices. A box also read for a leaf on the host, or for a flat buffer or
+        a fused tensor, is not one."""
+        host = {key for name, key in self.targets.items() if not _off_host(self.template.get(name))}
+        host |= {key for _, _, parts in self.flats.values() for key, *_ in parts}
+        host |= {key for c in self.composites.values() for key, _ in c.parts}
+        out: dict[Target, set[str]] = {}
+        for name, key in self.targets.items():
+            if key not in host and _plan.box_size(key[1]) > 0:
+                out.setdefault(key, set()).add(local_device(self.template[name]).type)
+        return out
 
     def lent(self, meta: CheckpointMeta, reader: BoxReader) -> dict[Target, Lease]:
-        """The boxes that go only to template leaves off the host (a GPU) and that the reader
-        holds in host memory already (a memory tier): each is copied to its device straight
-        from there, with no read into a buffer first (on a GPU, from the pinned buffer the
-        save staged it in, at the link's speed)."""
-        # A box also read for a leaf on the host, or for a flat buffer or a fused tensor, is read.
-        read = {key for name, key in self.targets.items() if not _off_host(self.template.get(name))}
-        read |= {key for _, _, parts in self.flats.values() for key, *_ in parts}
-        read |= {key for c in self.composites.values() for key, _ in c.parts}
+        """The boxes bound for a device that the reader holds in host memory already (a memory
+        tier): each is copied to its device straight from there, with no read into a buffer
+        first (on a GPU, from the pinned buffer the save staged it in, at the link's speed)."""
         out = {}
-        for key in self.targets.values():
-            if key not in read and key not in out and _plan.box_size(key[1]) > 0:
-                lease = reader.lend(key[0], meta.arrays[key[0]], key[1])
-                if lease is not None:
-                    out[key] = lease
+        for key in self.device_bound():
+            lease = reader.lend(key[0], meta.arrays[key[0]], key[1])
+            if lease is not None:
+                out[key] = lease
         return out
+
+    def arena(self, meta: CheckpointMeta, lent: dict[Target, Lease]) -> HostArena | None:
+        """The host arena that the boxes bound only for GPUs, and not lent, are read into, to
+        be page-locked for their copies (``HostArena``); None where there are none."""
+        sizes = {
+            key: _plan.box_size(key[1]) * numpy_dtype(meta.arrays[key[0]].dtype).itemsize
+            for key, kinds in self.device_bound().items()
+            if kinds == {"cuda"} and key not in lent
+        }
+        return HostArena(sizes) if sizes else None
 
     def destinations(self, meta: CheckpointMeta) -> dict[Target, tuple[str, np.ndarray]]:
         """With ``inplace``, each box read straight into its template tensor's own memory (the
@@ -449,16 +483,23 @@ def _finish(
     fut: LoadFuture[Any],
 ) -> Any:
     """Wait for the reads, build the tree, and report the load's metrics on ``fut``."""
-    if wanted.shared is not None:
-        _shared_reads.settle(comm, reads.join)
-        _shared_reads.exchange(comm, wanted.shared)
-    else:
-        reads.join()
-    phases.add("read", reads.seconds)
-    start = time.perf_counter()
-    out = unflatten(plan.structure, _Builder(plan, meta, reads, wanted).leaf, plan.keep)
-    _settle(wanted.lent, plan)
-    phases.since("place", start)
+    try:
+        if wanted.shared is not None:
+            _shared_reads.settle(comm, reads.join)
+            _shared_reads.exchange(comm, wanted.shared)
+        else:
+            reads.join()
+        phases.add("read", reads.seconds)
+        start = time.perf_counter()
+        if wanted.arena is not None:
+            wanted.arena.pin()
+        out = unflatten(plan.structure, _Builder(plan, meta, reads, wanted).leaf, plan.keep)
+        _settle(wanted, plan)
+        phases.since("place", start)
+    finally:
+        if wanted.arena is not None:
+            _synchronize(wanted.arena.offsets, plan)  # no copy may still read it
+            wanted.arena.unpin()
     flight = reads.in_flight
     arrays = len(
         {stored for stored, _ in plan.targets.values()} | {k[0] for *_, p in plan.flats.values() for k, *_ in p}
@@ -490,6 +531,7 @@ class _Builder:
         self.filled = wanted.filled  # template leaves the reads filled in place: nothing left to do
         self.lent = wanted.lent
         self.shared = wanted.shared
+        self.copied_async = wanted.copied_async()
         self.stored_leaves = meta.leaves
         self.built: dict[Target, Any] = {}
 
@@ -510,15 +552,16 @@ class _Builder:
         if name not in plan.targets:
             return decode_value(self.stored_leaves[name]) if name in self.stored_leaves else node
         key = plan.targets[name]
-        # A lent box is copied without waiting; ``_settle`` waits for every such copy at the end.
-        lent = key in self.lent
+        # A box in page-locked memory is copied without waiting; ``_settle`` waits for every such
+        # copy at the end.
+        unblocked = key in self.copied_async
         if plan.options.inplace and target is not None:
-            return target if name in self.filled else _fill(target, self.shard(name), non_blocking=lent)
+            return target if name in self.filled else _fill(target, self.shard(name), non_blocking=unblocked)
         if key not in self.built:
             # One object per stored array and box: names tied at save time stay tied.
             t = self.shard(name)
             if target is not None and is_tensor(t):
-                t = t.to(local_device(target), non_blocking=lent)
+                t = t.to(local_device(target), non_blocking=unblocked)
                 if is_dtensor(target):
                     t = from_local(t, target, self.meta.arrays[key[0]].shape)
             self.built[key] = t
@@ -598,19 +641,24 @@ def _off_host(target: Any) -> bool:
     return target is not None and is_tensor(target) and local_device(target).type != "cpu"
 
 
-def _settle(lent: dict[Target, Lease], plan: _LoadPlan) -> None:
-    """Wait for the copies out of lent boxes, then check that the reader's memory stayed theirs
-    throughout: ``IntegrityError`` names the array otherwise."""
-    if not lent:
+def _settle(wanted: _Requests, plan: _LoadPlan) -> None:
+    """Wait for the copies that run without blocking, then check that the memory lent boxes
+    were copied from stayed theirs throughout: ``IntegrityError`` names the array otherwise."""
+    _synchronize(wanted.copied_async(), plan)
+    for lease in wanted.lent.values():
+        lease.check()
+
+
+def _synchronize(keys: Iterable[Target], plan: _LoadPlan) -> None:
+    """Wait for the GPU streams that copy the boxes ``keys`` to their template leaves."""
+    keys = set(keys)
+    if not keys:
         return
     from .torch._torch import torch
 
-    keys = set(lent)
     for device in {local_device(t) for n, t in plan.template.items() if plan.targets.get(n) in keys}:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-    for lease in lent.values():
-        lease.check()
 
 
 def _own_memory(target: Any, dtype: str) -> np.ndarray | None:

@@ -11,7 +11,9 @@ loop has to wait for; everything after it (writes, commit) runs in the backgroun
   memory. One buffer larger than the whole budget is still allowed when nothing else is held, or
   a large array could never be saved.
 - CUDA tensors are copied into pinned buffers on a side stream, so device-to-host copies overlap
-  the caller's kernels; an event per shard says when its bytes are on the host.
+  the caller's kernels; an event per shard says when its bytes are on the host. The buffers are
+  pageable memory registered with CUDA (``_pinned.page_locked``), which pins a new buffer
+  several times faster than CUDA's pinned allocation.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..base import _faults
+from ._pinned import page_locked
 from ._tensors import to_numpy
 from ._torch import installed, is_tensor, torch
 
@@ -65,9 +68,11 @@ class HostBuffers:
                 self._cond.wait()
         # Allocate outside the lock: touching fresh pages is the slow part.
         try:
-            if not self.pinned and not installed():  # NumPy-only: NumPy buffers
+            if self.pinned:
+                return page_locked(nbytes)
+            if not installed():  # NumPy-only: NumPy buffers
                 return np.empty(nbytes, dtype=np.uint8)
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+            return torch.empty(nbytes, dtype=torch.uint8)
         except BaseException:
             with self._cond:
                 self._used_bytes -= nbytes

@@ -156,3 +156,35 @@ def test_a_piece_retired_during_a_restore_onto_the_gpu_fails_the_restore(tmp_pat
         mgr.save(1, state, lc.Layout.replicated()).result()
         with pytest.raises(lc.IntegrityError, match="retired while it was being read"):
             mgr.load(lc.Layout.replicated(), like=state, inplace=True)
+
+
+def test_a_durable_restore_onto_the_gpu_copies_from_page_locked_host_memory(tmp_path, monkeypatch):
+    """Boxes bound for the GPU are read into one host arena, page-locked for the copies once the
+    reads are done and unlocked once they ran; a box also wanted on the host is read apart."""
+    from layoutckpt.torch._pinned import HostArena
+
+    state = _state()
+    lc.save(tmp_path / "ck", state, lc.Layout.replicated())
+    arenas: list[tuple[HostArena, bool]] = []
+    unpin = HostArena.unpin
+
+    def spy(self):
+        arenas.append((self, self.pinned))
+        unpin(self)
+
+    monkeypatch.setattr(HostArena, "unpin", spy)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    out = lc.load(tmp_path / "ck", like=into, inplace=True)
+    fresh = lc.load(tmp_path / "ck", like={**state, "w": state["w"].cpu()})
+    for k, v in state.items():
+        assert out[k].data_ptr() == into[k].data_ptr() and torch.equal(out[k], v), k
+        assert torch.equal(fresh[k].to(v.device), v), k
+    assert fresh["w"].device.type == "cpu" and fresh["h"].device.type == "cuda"
+    assert [pinned for _, pinned in arenas] == [True, True]
+    assert len(arenas[0][0].offsets) == 3 and len(arenas[1][0].offsets) == 2  # "w" read for the host
+    cudart = torch.cuda.cudart()
+    for arena, _ in arenas:
+        assert not arena.pinned
+        address = arena.memory.ctypes.data  # unregistered: registering it again succeeds
+        assert int(cudart.cudaHostRegister(address, arena.memory.nbytes, 0)) == 0
+        assert int(cudart.cudaHostUnregister(address)) == 0
