@@ -102,7 +102,9 @@ def _lock(memory: np.ndarray) -> weakref.finalize | None:
         )
         return None
     # NumPy clears an array's weak references before it frees the array's memory.
-    return weakref.finalize(memory.base, _unregister, address)
+    unlock = weakref.finalize(memory.base, _unregister, address)
+    unlock.atexit = False  # the process's end unlocks all, and CUDA may be gone by then
+    return unlock
 
 
 def _unregister(address: int) -> None:
