@@ -135,8 +135,9 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
             _shared_reads.agree(comm, None, None, set())  # the others then read alone
         raise
     reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
-    lent = plan.lent(meta, reader)
-    wanted = plan.requests(meta, lent, _sharing(plan, meta, layout, comm, lent), plan.arena(meta, lent))
+    bound = plan.device_bound()
+    lent = plan.lent(meta, reader, bound)
+    wanted = plan.requests(meta, lent, _sharing(plan, meta, layout, comm, lent), plan.arena(meta, bound, lent))
     reads = BackgroundReads(reader, wanted.reads, options.io)
     phases.since("plan", t0)
     fut: LoadFuture[Any] = LoadFuture(
@@ -244,23 +245,24 @@ class _LoadPlan:
                 out.setdefault(key, set()).add(local_device(self.template[name]).type)
         return out
 
-    def lent(self, meta: CheckpointMeta, reader: BoxReader) -> dict[Target, Lease]:
-        """The boxes bound for a device that the reader holds in host memory already (a memory
-        tier): each is copied to its device straight from there, with no read into a buffer
-        first (on a GPU, from the pinned buffer the save staged it in, at the link's speed)."""
+    def lent(self, meta: CheckpointMeta, reader: BoxReader, bound: dict[Target, set[str]]) -> dict[Target, Lease]:
+        """The boxes bound for a device (``device_bound``) that the reader holds in host memory
+        already (a memory tier): each is copied to its device straight from there, with no read
+        into a buffer first (on a GPU, from the pinned buffer the save staged it in, at the
+        link's speed)."""
         out = {}
-        for key in self.device_bound():
+        for key in bound:
             lease = reader.lend(key[0], meta.arrays[key[0]], key[1])
             if lease is not None:
                 out[key] = lease
         return out
 
-    def arena(self, meta: CheckpointMeta, lent: dict[Target, Lease]) -> HostArena | None:
-        """The host arena that the boxes bound only for GPUs, and not lent, are read into, to
-        be page-locked for their copies (``HostArena``); None where there are none."""
+    def arena(self, meta: CheckpointMeta, bound: dict[Target, set[str]], lent: dict[Target, Lease]) -> HostArena | None:
+        """The host arena that the boxes bound only for GPUs (``device_bound``), and not lent,
+        are read into, to be page-locked for their copies; None where there are none."""
         sizes = {
             key: _plan.box_size(key[1]) * numpy_dtype(meta.arrays[key[0]].dtype).itemsize
-            for key, kinds in self.device_bound().items()
+            for key, kinds in bound.items()
             if kinds == {"cuda"} and key not in lent
         }
         return HostArena(sizes) if sizes else None
@@ -494,12 +496,11 @@ def _finish(
         if wanted.arena is not None:
             wanted.arena.pin()
         out = unflatten(plan.structure, _Builder(plan, meta, reads, wanted).leaf, plan.keep)
-        _settle(wanted, plan)
-        phases.since("place", start)
     finally:
-        if wanted.arena is not None:
-            _synchronize(wanted.arena.offsets, plan)  # no copy may still read it
-            wanted.arena.unpin()
+        _settle(wanted, plan)  # also where the build failed: no copy may outlive the arena's lock
+    for lease in wanted.lent.values():
+        lease.check()
+    phases.since("place", start)
     flight = reads.in_flight
     arrays = len(
         {stored for stored, _ in plan.targets.values()} | {k[0] for *_, p in plan.flats.values() for k, *_ in p}
@@ -642,23 +643,18 @@ def _off_host(target: Any) -> bool:
 
 
 def _settle(wanted: _Requests, plan: _LoadPlan) -> None:
-    """Wait for the copies that run without blocking, then check that the memory lent boxes
-    were copied from stayed theirs throughout: ``IntegrityError`` names the array otherwise."""
-    _synchronize(wanted.copied_async(), plan)
-    for lease in wanted.lent.values():
-        lease.check()
+    """Wait for the copies that run without blocking, then unlock the arena they copied from.
+    The caller then checks that the memory lent boxes were copied from stayed theirs throughout
+    (``Lease.check``)."""
+    keys = wanted.copied_async()
+    if keys:
+        from .torch._torch import torch
 
-
-def _synchronize(keys: Iterable[Target], plan: _LoadPlan) -> None:
-    """Wait for the GPU streams that copy the boxes ``keys`` to their template leaves."""
-    keys = set(keys)
-    if not keys:
-        return
-    from .torch._torch import torch
-
-    for device in {local_device(t) for n, t in plan.template.items() if plan.targets.get(n) in keys}:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        for device in {local_device(t) for n, t in plan.template.items() if plan.targets.get(n) in keys}:
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+    if wanted.arena is not None:
+        wanted.arena.unpin()
 
 
 def _own_memory(target: Any, dtype: str) -> np.ndarray | None:

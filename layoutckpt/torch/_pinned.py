@@ -38,10 +38,11 @@ _PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device, not onl
 
 def page_locked(nbytes: int) -> torch.Tensor:
     """A uint8 host tensor of ``nbytes``, page-locked for CUDA copies for as long as it lives."""
-    memory = _pages(nbytes)
-    if nbytes == 0 or _lock(memory) is None:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return torch.from_numpy(memory[:nbytes])
+    if nbytes:
+        memory = _pages(nbytes)
+        if _lock(memory) is not None:
+            return torch.from_numpy(memory[:nbytes])
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 class HostArena:
