@@ -645,7 +645,7 @@ def import_dcp(
     dcp = read_metadata(folder, trust_pickle=trust_pickle)
     tensors, value_names = _tensors(dcp, os.fspath(folder / METADATA_FILE))
     values, skipped = _values(folder, dcp, value_names)
-    check_no_prefix_clash([t.name for t in tensors])
+    check_no_prefix_clash(tuple(t.name for t in tensors))
     arrays = {
         t.name: importing.array_meta(t.name, t.shape, t.dtype, layout, inner_chunk_bytes, compression) for t in tensors
     }

@@ -373,7 +373,7 @@ def import_safetensors(
     arrays = {
         name: _import_meta(name, h, t, layout, inner_chunk_bytes, compression) for name, (h, t) in tensors.items()
     }
-    check_no_prefix_clash(list(arrays))
+    check_no_prefix_clash(tuple(arrays))
     tree = {"dict": [[name, {"array": name}] for name in arrays]}
     # Bound to a fresh id, as a save's shards are: a shard moved or copied in later is refused.
     meta = importing.checkpoint_meta(arrays, tree, layout, step, metadata).bound(new_save_id())

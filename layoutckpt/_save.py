@@ -242,7 +242,7 @@ def _check_locally(
         elif flats:
             structure = expand_flats(structure, flats)
         if flats:
-            check_no_prefix_clash([a.name for a in arrays] + [n for f, spec in flats for n in flat_names(f, spec)])
+            check_no_prefix_clash((*(a.name for a in arrays), *(n for f, spec in flats for n in flat_names(f, spec))))
         check_user_metadata(options.metadata)
         rank_doc = None
         if options.rank_state is not None:

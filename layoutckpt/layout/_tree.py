@@ -70,6 +70,8 @@ def _utf8_len(text: str) -> int:
 
 
 def _key_str(key: object, where: str) -> str:
+    if type(key) is str:
+        return key
     if isinstance(key, bool) or not isinstance(key, str | int):
         raise InvalidNameError(
             f"key {key!r} under {where or 'the root'!r} is a {type(key).__name__}, but keys must be a str or "
@@ -104,7 +106,7 @@ def flatten(state: object) -> tuple[Any, dict[str, Any]]:
         raise TypeError(f"the state must be a dict, list or tuple of leaves, got {type(state).__name__}")
     leaves: dict[str, Any] = {}
     structure = _flatten(state, "", leaves)
-    check_no_prefix_clash([n for n, v in leaves.items() if is_array_leaf(v)])
+    check_no_prefix_clash(tuple(n for n, v in leaves.items() if is_array_leaf(v)))
     return structure, leaves
 
 
@@ -112,10 +114,10 @@ def flatten(state: object) -> tuple[Any, dict[str, Any]]:
 # is a reference cycle, and everything it holds (a load's whole plan) would wait for the cyclic
 # garbage collector, whose full passes over a training process take a tenth of a second.
 def _flatten(x: object, name: str, leaves: dict[str, Any]) -> Any:
-    if isinstance(x, Mapping):
+    kind = _node_kind(type(x))
+    if kind == "dict":
         return {"dict": [[k, _flatten(v, _join(name, _key_str(k, name)), leaves)] for k, v in x.items()]}
-    if isinstance(x, list | tuple):
-        kind = "list" if isinstance(x, list) else "tuple"
+    if kind is not None:
         return {kind: [_flatten(v, _join(name, str(i)), leaves) for i, v in enumerate(x)]}
     if name in leaves:
         raise InvalidNameError(
@@ -129,11 +131,24 @@ def _flatten(x: object, name: str, leaves: dict[str, Any]) -> Any:
     return _encode_value(x, name)
 
 
+@functools.cache
+def _node_kind(cls: type) -> str | None:
+    """A tree node's kind by its type: "dict", "list", "tuple", or None for a leaf. Once per
+    type: a state's walk asks for every node, and the check against the ``Mapping`` ABC is the
+    slow part of a plain ``isinstance``."""
+    if issubclass(cls, Mapping):
+        return "dict"
+    if issubclass(cls, list):
+        return "list"
+    return "tuple" if issubclass(cls, tuple) else None
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def check_no_prefix_clash(names: list[str]) -> None:
+@functools.lru_cache(maxsize=64)  # the same names, save after save
+def check_no_prefix_clash(names: tuple[str, ...]) -> None:
     """An array cannot also be a group: ``a`` and ``a.b`` cannot both be arrays."""
     paths = sorted(name_to_path(n) for n in names)
     for a, b in itertools.pairwise(paths):
