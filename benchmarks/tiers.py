@@ -1,8 +1,8 @@
 """Multi-tier checkpoints in a training loop: what a checkpoint every step costs the step.
 
     .venv/bin/python benchmarks/tiers.py [--ranks 2] [--dim 512] [--layers 4] [--steps 20]
-        [--warmup 3] [--repeats 3] [--local memory] [--durable dir] [--dir /tmp] [--device cpu]
-        [--modes none,tiers,lazy,dcp] [--json out.json]
+        [--warmup 3] [--repeats 3] [--local memory] [--durable dir] [--packing auto] [--dir /tmp]
+        [--device cpu] [--modes none,tiers,lazy,dcp] [--json out.json]
 
 N local gloo ranks train a small Llama-like model data-parallel (gradients all-reduced, AdamW),
 and time every step in four modes, alternated repeat by repeat in one run so that the
@@ -14,7 +14,8 @@ machine's drift falls on all of them:
   the host arrays the save copied into; ``shm``: a directory per rank under /dev/shm; ``disk``:
   under ``--dir``), and persists every 10th step to the durable tier in the background (``--durable
   dir``: a directory under ``--dir``; ``s3``: the loopback S3 server the tests use, moto, whose
-  Python process shares the cores with the ranks, so read its step times with that in mind);
+  Python process shares the cores with the ranks, so read its step times with that in mind;
+  ``--packing files`` or ``ocdbt`` is the manager's ``packing``: by default persists are packed);
 - ``lazy``: as ``tiers``, but each save returns before its copy (``save(..., lazy=True)``), which
   runs on a thread while the next step computes; the step waits for it (``wait_staged()``) only
   before its optimizer update changes what is copied. On a GPU the copy would run on a side
@@ -26,7 +27,10 @@ its steps, then the median over repeats) and the mean step time likewise, each w
 ``none``, and for ``tiers`` the copy into host memory (the part of the save the loop waits for)
 next to the step time (for ``lazy``, the copy that ran beside the next step), and the full
 passes of Python's garbage collector in the timed steps. A persist slows the one or two steps
-that run beside it, which the median hides and the mean (what a run's length follows) counts.
+that run beside it, which the median hides and the mean (what a run's length follows) counts;
+``--json`` also holds every step's time (the slowest rank's), for a look at those steps. The
+first persist that outlives its step's place on a memory tier grows the pool by one set of
+buffers, once: ``--warmup 13 --steps 33`` leaves it out and times two whole persist cycles.
 Then it restores the newest step from the fast tier and a persisted step from the durable tier, each twice: into fresh
 arrays (``mgr.load(layout)``: the new memory's page faults are paid whichever tier serves it) and
 into the live model and optimizer (``like=state, inplace=True``, as a job restoring into the model
@@ -153,7 +157,10 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
             full_gc = _FullCollections()
             mgr = None
             if mode in ("tiers", "lazy"):
-                mgr = lc.CheckpointManager(durable, local=local.format(run=run), persist_every=10, keep_last=2)
+                packing = {} if opts["packing"] == "auto" else {"packing": opts["packing"]}
+                mgr = lc.CheckpointManager(
+                    durable, local=local.format(run=run), persist_every=10, keep_last=2, **packing
+                )
             pending = staged = None
             for step in range(1, opts["steps"] + 1):
                 dist.barrier()
@@ -187,6 +194,7 @@ def _rank(rank: int, world: int, opts: dict[str, Any], out: Any) -> None:
                     "call": statistics.median(calls[skip:]) if calls else 0.0,
                     "slowest": max(times[skip:]),
                     "gc": full_gc.count,
+                    "times": times,
                 }
             )
             if mgr is not None:
@@ -303,7 +311,11 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             cold = [max(r["restore"][i][f"cold_{kind}"] for r in per_rank) for i in range(repeats)]
             colds = [c / f for c, f in zip(cold, fast)]
             restore[kind].update(cold_s=statistics.median(cold), cold_over_fast=statistics.median(colds))
-    return {"rows": rows, "restore": restore}
+    times = {
+        mode: [[max(ts) for ts in zip(*(r["modes"][mode][i]["times"] for r in per_rank))] for i in range(repeats)]
+        for mode in modes
+    }
+    return {"rows": rows, "restore": restore, "times": times}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -319,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--local", choices=("memory", "shm", "disk"), default="memory")
     ap.add_argument("--durable", choices=("dir", "s3"), default="dir")
+    ap.add_argument("--packing", choices=("auto", "files", "ocdbt"), default="auto")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument(
@@ -375,7 +388,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 def _print(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     print(
         f"{args.ranks} ranks, {summary['state_mb_per_rank']:.1f} MiB of model+optimizer per rank, "
-        f"local tier {args.local}, durable tier {args.durable}, device {args.device}"
+        f"local tier {args.local}, durable tier {args.durable} (packing {args.packing}), device {args.device}"
     )
     print(
         f"{'mode':8} {'step (s)':>10} {'vs none':>8} {'mean (s)':>10} {'vs none':>8} {'copy (s)':>10} "

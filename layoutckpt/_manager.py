@@ -277,8 +277,15 @@ class CheckpointManager:
     def _persist(self, step: int, state: Any, layout: Layout | None, metadata: Any, rank_state: Any) -> SaveFuture:
         """The durable tier's save of a fast-tier step: an ordinary async save written straight
         from its host copy, which the tier keeps unchanged until the save ends (``private``),
-        with this manager's retention after it."""
+        with this manager's retention after it.
+
+        Packed unless the manager was told otherwise: its writer threads share the training
+        loop's GIL, and every file of a plain checkpoint is a dozen system calls, each of which
+        hands the GIL back and forth with the loop, where a packed one's few data files are not
+        (``docs/design/multi-tier.md``)."""
         mine = dict(step=step, metadata=metadata, rank_state=rank_state, lazy=True)
+        if self._defaults.packing == "auto":
+            mine["packing"] = "ocdbt"
         fut = start(self.path(step), state, layout, _options(self._defaults, mine), copy=True, private=True)
         if self._retention is not None:
             self._retire_later(fut)

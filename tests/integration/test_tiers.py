@@ -105,6 +105,21 @@ def test_json_leaves_equal_to_the_last_steps_but_in_type_or_sign_come_back_as_sa
                 assert type(got) is type(v) and repr(got) == repr(v), (step, got, v)
 
 
+@pytest.mark.parametrize(("packing", "expected"), [(None, "ocdbt"), ("auto", "ocdbt"), ("files", "files")])
+def test_persists_are_packed_unless_the_manager_says_otherwise(tmp_path, packing, expected):
+    """A persist's writer threads share the loop's GIL, which a few data files spare; a plain
+    save of the same manager follows ``auto`` (three objects stay plain files)."""
+    chosen = {} if packing is None else {"packing": packing}
+    with lc.CheckpointManager(tmp_path / "d", local=tmp_path / "l", persist_every=1, **chosen) as mgr:
+        mgr.save(1, local_state(1, 0, 1), lc.Layout.replicated())
+        mgr.wait()
+    assert lc.open(tmp_path / "d" / "step_00000001").meta.packing == expected
+    assert_local(lc.load(tmp_path / "d" / "step_00000001"), 1, 0, 1)
+    with lc.CheckpointManager(tmp_path / "plain", **chosen) as mgr:
+        mgr.save(1, local_state(1, 0, 1), lc.Layout.replicated()).result()
+    assert lc.open(tmp_path / "plain" / "step_00000001").meta.packing == "files"
+
+
 def test_another_layout_reads_the_durable_tier(tmp_path):
     with lc.CheckpointManager(tmp_path / "d", local=tmp_path / "l", persist_every=2) as mgr:
         for step in (1, 2, 3):
