@@ -237,9 +237,12 @@ class _BoxFill:
                 and self.whole(fd, key, cell, origin, size, extent.offset)
             ):
                 return size
-            offsets, lengths = self.index(fd, key, cell, size, extent.offset)
-            start = self.stored_in_order(origin, ranges, offsets, lengths)
+            tail = self.tail(fd, key, cell, size, extent.offset)
             # Read ahead (a large read, ``prefetch``) goes run by run: it is what a cold file needs.
+            if not prefetch and self.in_order(origin, ranges, tail, size):
+                return self.tail_bytes + self.fetch_grid(fd, key, origin, ranges, extent.offset)
+            offsets, lengths = self.index(key, tail, size, extent.offset)
+            start = self.stored_in_order(origin, ranges, offsets, lengths)
             if start is not None and not prefetch:
                 return self.tail_bytes + self.fetch_grid(fd, key, origin, ranges, start)
             runs = self.runs(key, origin, ranges, offsets.tolist(), lengths.tolist(), size)
@@ -281,17 +284,39 @@ class _BoxFill:
         self.place_slab(key, origin, (0,) * len(self.grid), rows, self.grid[-1], data)
         return True
 
-    def index(self, fd: int, key: str, cell: Sequence[int], size: int, base: int) -> tuple[np.ndarray, np.ndarray]:
-        """The index of the shard of ``size`` bytes at ``base`` in its file: (offsets in the
-        file, lengths) of its inner chunks, checked: its crc32c, and every stored chunk inside
-        the shard before the index (and before the binding block, which must bind the shard to
-        this array's save, path and ``cell``), overlapping no other."""
+    def tail(self, fd: int, key: str, cell: Sequence[int], size: int, base: int) -> bytes:
+        """The last bytes of the shard of ``size`` bytes at ``base`` in its file, read with one
+        call: the binding block, checked (it must bind the shard to this array's save, path and
+        ``cell``), where the array is bound, and the index."""
         if size < self.table_bytes:
             raise Damaged(False, f"shard {key} is {size} bytes, too short for its index")
         if size < self.tail_bytes:
             raise Damaged(False, misplaced(key, "too short to hold its binding block"))
         tail = os.pread(fd, self.tail_bytes, base + size - self.tail_bytes)
         check_binding(self.meta, key, cell, tail)
+        return tail
+
+    def in_order(self, origin: Sequence[int], ranges: list[range], tail: bytes, size: int) -> bool:
+        """Whether the shard's index is the one layoutckpt writes (its uncompressed chunks one
+        after the other in C order from its first byte, before the tail; checksum included) and
+        every chunk the box wants of it lies whole inside the box: ``fetch_grid`` then reads
+        them with no index parsed or checked entry by entry. A resharded load reads a part of
+        many shards, where the index's parsing would cost more than the chunks' copy."""
+        if not self.blocks:
+            return False
+        count = math.prod(self.grid)
+        table = tail[self.tail_bytes - self.table_bytes :]
+        return (
+            count * self.stride <= size - self.tail_bytes
+            and table == _in_order_table(count, self.stride)
+            and self.inside(origin, ranges)
+        )
+
+    def index(self, key: str, tail: bytes, size: int, base: int) -> tuple[np.ndarray, np.ndarray]:
+        """The index of the shard of ``size`` bytes at ``base`` in its file, from its ``tail``:
+        (offsets in the file, lengths) of its inner chunks, checked: its crc32c, and every
+        stored chunk inside the shard before the index (and the binding block), overlapping no
+        other."""
         end = size - self.tail_bytes
         offsets, lengths = checked_index(tail[self.tail_bytes - self.table_bytes :], self.table_bytes, key, end)
         if base:
@@ -330,10 +355,7 @@ class _BoxFill:
         """Where every chunk the box wants of a shard lies whole inside the box and the array,
         and the shard's uncompressed chunks are stored one after the other in C order (as
         layoutckpt writes them), the file offset of its first chunk; else None."""
-        if not self.blocks:
-            return None
-        lo, hi = self.whole_span(origin)
-        if any(r.start < a or r.stop > b for r, a, b in zip(ranges, lo, hi)):
+        if not self.blocks or not self.inside(origin, ranges):
             return None
         stride = self.stride
         start = int(offsets[0])
@@ -514,6 +536,11 @@ class _BoxFill:
             else:
                 self.place_block(origin, run[k][1], rows, cols, data[k * stride :])
             k += rows * cols
+
+    def inside(self, origin: Sequence[int], ranges: list[range]) -> bool:
+        """Whether the chunks ``ranges`` of the shard at ``origin`` all lie whole inside the box."""
+        lo, hi = self.whole_span(origin)
+        return all(a <= r.start and r.stop <= b for r, a, b in zip(ranges, lo, hi))
 
     def whole_span(self, origin: Sequence[int]) -> tuple[list[int], list[int]]:
         """Per dimension, the inner chunk positions ``[lo, hi)`` of the shard at ``origin`` whose
