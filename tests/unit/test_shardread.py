@@ -355,3 +355,30 @@ def test_a_reader_keeps_a_few_shared_data_files_open_until_closed(tmp_path, monk
     files.close()
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_a_part_of_a_shard_stored_in_order_is_read_without_parsing_its_index(tmp_path, monkeypatch):
+    """A box that wants a part of a shard laid out as layoutckpt writes it (a resharded load's
+    column band) reads its chunks with no index parsed: the index's bytes are the known ones.
+    The same index after data cut short goes through the parsed, checked index, and raises."""
+    shape, inner = (64, 48), (8, 6)
+    meta = _meta(shape, shape, inner, "float32")
+    array = _array(shape, "float32")
+    cell = (0, 0)
+    _shardfile.write_shard(tmp_path, meta, cell, array.dtype, array)
+    parsed = []
+    real = _shardread.checked_index
+    monkeypatch.setattr(_shardread, "checked_index", lambda *a: parsed.append(a[2]) or real(*a))
+    box = ((8, 64), (12, 24))  # every row of chunks but the first, two columns of chunks
+    out = np.zeros((56, 12), np.float32)
+    _shardread.read_box(tmp_path, meta, box, out)
+    assert out.tobytes() == array[8:64, 12:24].tobytes() and parsed == []
+
+    path = tmp_path / "a" / meta.chunk_key(cell)
+    raw = path.read_bytes()
+    tail = _shardread._BoxFill(meta, box, out, True, lc.IOConfig()).tail_bytes
+    stride = 4 * int(np.prod(inner)) + 4
+    path.write_bytes(raw[: len(raw) - tail - stride] + raw[len(raw) - tail :])  # the last chunk gone
+    with pytest.raises(_shardread.Damaged, match=r"index of shard .* is invalid"):
+        _shardread.read_box(tmp_path, meta, box, np.zeros((56, 12), np.float32))
+    assert parsed
