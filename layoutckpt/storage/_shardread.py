@@ -242,9 +242,6 @@ class _BoxFill:
             if not prefetch and self.in_order(origin, ranges, tail, size):
                 return self.tail_bytes + self.fetch_grid(fd, key, origin, ranges, extent.offset)
             offsets, lengths = self.index(key, tail, size, extent.offset)
-            start = self.stored_in_order(origin, ranges, offsets, lengths)
-            if start is not None and not prefetch:
-                return self.tail_bytes + self.fetch_grid(fd, key, origin, ranges, start)
             runs = self.runs(key, origin, ranges, offsets.tolist(), lengths.tolist(), size)
             return self.tail_bytes + (self.fetch(fd, key, origin, runs, prefetch) if runs else 0)
         finally:
@@ -349,22 +346,8 @@ class _BoxFill:
             runs[-1].append((i, at, offset, nbytes))
         return runs
 
-    def stored_in_order(
-        self, origin: Sequence[int], ranges: list[range], offsets: np.ndarray, lengths: np.ndarray
-    ) -> int | None:
-        """Where every chunk the box wants of a shard lies whole inside the box and the array,
-        and the shard's uncompressed chunks are stored one after the other in C order (as
-        layoutckpt writes them), the file offset of its first chunk; else None."""
-        if not self.blocks or not self.inside(origin, ranges):
-            return None
-        stride = self.stride
-        start = int(offsets[0])
-        if not (lengths == stride).all() or not np.array_equal(offsets, start + stride * np.arange(len(offsets))):
-            return None
-        return start
-
     def fetch_grid(self, fd: int, key: str, origin: Sequence[int], ranges: list[range], start: int) -> int:
-        """``fetch`` of the wanted chunks of a shard stored in order (``stored_in_order``): in
+        """``fetch`` of the wanted chunks of a shard stored in order (``in_order``): in
         slabs of whole chunks of up to ``CACHED_RUN_BYTES``, each read with one ``preadv`` per
         row of chunks (one in all where the rows are whole and so follow one another in the
         file), checked, and placed with one strided copy, with no Python per chunk but its
