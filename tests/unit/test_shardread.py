@@ -297,6 +297,42 @@ def test_a_whole_shard_is_read_in_slabs_and_damage_names_its_chunk(tmp_path, mon
             _shardread.read_box(tmp_path, meta, box, np.zeros([b - a for a, b in box], np.float32))
 
 
+@pytest.mark.parametrize("payload", [4, 100, 24 << 10])
+def test_intact_chunks_laid_end_to_end_have_one_checksum_whatever_they_hold(payload):
+    """The crc32c of intact chunks laid end to end, each followed by its crc32c, is the one
+    ``_intact_crc`` gives for their count and size, whatever they hold; one flipped bit in any
+    chunk or checksum changes it."""
+    rng = np.random.default_rng(payload)
+    for count in (2, 3, 17):
+        chunks = [rng.integers(0, 256, payload, np.uint8).tobytes() for _ in range(count)]
+        data = bytearray(b"".join(c + crc32c.crc32c(c).to_bytes(4, "little") for c in chunks))
+        assert crc32c.crc32c(data) == _shardread._intact_crc(payload + 4, count)
+        for at in (0, len(data) // 2, len(data) - 1):
+            data[at] ^= 1
+            assert crc32c.crc32c(data) != _shardread._intact_crc(payload + 4, count)
+            data[at] ^= 1
+
+
+def test_a_slab_of_intact_chunks_is_checked_with_one_call(tmp_path, monkeypatch):
+    """The chunks of a slab are checked with one crc32c call over them all, not one per chunk:
+    each call hands the GIL to the other reading threads and back."""
+    shape, inner = (64, 48), (8, 6)
+    stride = 4 * int(np.prod(inner)) + 4
+    monkeypatch.setattr(_shardread, "CACHED_RUN_BYTES", 16 * stride)  # two rows of 8 chunks
+    monkeypatch.setattr(_shardread, "WHOLE_SHARD_BYTES", 0)
+    meta = _meta(shape, shape, inner, "float32")
+    array = _array(shape, "float32")
+    _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
+    _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), np.zeros(shape, np.float32))  # the known sums
+    calls = []
+    real = crc32c.crc32c
+    monkeypatch.setattr(crc32c, "crc32c", lambda data, *a: calls.append(len(data)) or real(data, *a))
+    out = np.zeros(shape, np.float32)
+    _shardread.read_box(tmp_path, meta, ((0, 64), (0, 48)), out)
+    assert out.tobytes() == array.tobytes()
+    assert calls == [16 * stride] * 4
+
+
 @pytest.mark.parametrize(("shape", "inner"), [((64, 48), (8, 6)), ((12, 10, 8), (12, 5, 2)), ((40,), (4,))])
 def test_a_small_shard_wanted_whole_is_read_with_one_call(tmp_path, monkeypatch, shape, inner):
     """A shard a box wants whole, laid out as layoutckpt writes it, is read with one call (its
