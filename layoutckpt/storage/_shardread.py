@@ -192,7 +192,8 @@ class _BoxFill:
         # Where inner chunk ``at`` of a shard sits in its index: C order over the shard's inner grid.
         self.grid = [-(-s // c) for s, c in zip(meta.shard_shape, self.inner)]
         self.steps = [math.prod(self.grid[d + 1 :]) for d in range(len(self.grid))]
-        self.table_bytes = 16 * math.prod(self.grid) + 4
+        self.count = math.prod(self.grid)
+        self.table_bytes = 16 * self.count + 4
         # A bound array's shards hold their binding block just before the index: read with it.
         self.tail_bytes = self.table_bytes + (BINDING_BYTES if meta.bound_to is not None else 0)
         self.buffer = np.empty(0, np.uint8)
@@ -203,6 +204,8 @@ class _BoxFill:
         # Blocks are copied as plain items of the same size: strided views of dtypes NumPy only
         # knows through an extension (float8, bfloat16) cannot be made.
         self.items = out.view(f"V{out.dtype.itemsize}") if self.blocks else out
+        # The byte strides of an inner chunk's items, as stored (C order).
+        self.chunk_strides = [out.dtype.itemsize * math.prod(self.inner[d + 1 :]) for d in range(len(self.inner))]
 
     def shard(self, files: Files, key: str, extent: Extent | None, cell: Sequence[int], prefetch: bool) -> int:
         """Read this box's part of one shard, stored at ``extent``; return the bytes read."""
@@ -265,7 +268,7 @@ class _BoxFill:
         as layoutckpt writes it (its chunks in C order from its first byte, then the binding
         block and the index): the caller then reads it chunk by chunk. An index equal to the one
         of that layout, its checksum included, needs no other check."""
-        count = math.prod(self.grid)
+        count = self.count
         if size != count * self.stride + self.tail_bytes:
             return False
         if len(self.buffer) < size:
@@ -301,11 +304,10 @@ class _BoxFill:
         many shards, where the index's parsing would cost more than the chunks' copy."""
         if not self.blocks:
             return False
-        count = math.prod(self.grid)
         table = tail[self.tail_bytes - self.table_bytes :]
         return (
-            count * self.stride <= size - self.tail_bytes
-            and table == _in_order_table(count, self.stride)
+            self.count * self.stride <= size - self.tail_bytes
+            and table == _in_order_table(self.count, self.stride)
             and self.inside(origin, ranges)
         )
 
@@ -542,14 +544,12 @@ class _BoxFill:
         """Copy ``rows`` x ``cols`` whole chunks, from ``at`` on along the last two dimensions
         (along the last alone for a 1-D array), stored one after the other in ``data`` in C order
         (each followed by its 4-byte checksum), into the box."""
-        item = self.out.dtype.itemsize
         inner = self.inner
         nd = len(inner)
-        strides = [item * math.prod(inner[d + 1 :]) for d in range(nd)]
         stride = self.stride
         # (rows, cols, *inner) over the chunks' payloads, skipping each checksum (unaligned where
         # the checksums shift the items: NumPy copies those too)
-        src = np.ndarray((rows, cols, *inner), self.items.dtype, data, 0, (cols * stride, stride, *strides))
+        src = np.ndarray((rows, cols, *inner), self.items.dtype, data, 0, (cols * stride, stride, *self.chunk_strides))
         dst = []
         for (a, _), o, i, c in zip(self.box, origin, at, inner):
             start = o + i * c - a
