@@ -638,9 +638,10 @@ def _intact_crc(stride: int, count: int) -> int:
     """The crc32c of ``count`` uncompressed chunks of ``stride`` bytes laid end to end, each
     followed by its own crc32c, all intact: the same whatever they hold. A chunk followed by
     its crc32c has the CRC's constant residue as its crc32c, and the crc32c of a concatenation
-    depends only on the crc32c and the length of each part. Any error confined to one chunk
-    changes the crc32c of the whole as it changes that chunk's; a read that finds another value
-    checks the chunks one by one to name the damaged one."""
+    depends only on the crc32c and the length of each part. An error confined to one chunk
+    changes the crc32c of the whole exactly when it changes that chunk's; a read that finds
+    another value checks the chunks one by one to name the damaged one
+    (docs/design/inplace-direct-reads.md)."""
     known = _intact.setdefault(stride, [0])
     if len(known) <= count:
         with _intact_lock:
