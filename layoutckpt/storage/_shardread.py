@@ -268,8 +268,7 @@ class _BoxFill:
         as layoutckpt writes it (its chunks in C order from its first byte, then the binding
         block and the index): the caller then reads it chunk by chunk. An index equal to the one
         of that layout, its checksum included, needs no other check."""
-        count = self.count
-        if size != count * self.stride + self.tail_bytes:
+        if size != self.count * self.stride + self.tail_bytes:
             return False
         if len(self.buffer) < size:
             self.buffer = _scratch(size)
@@ -278,7 +277,7 @@ class _BoxFill:
             raise Damaged(False, f"shard {key} is cut short")
         tail = data[size - self.tail_bytes :]
         check_binding(self.meta, key, cell, tail)
-        if tail[self.tail_bytes - self.table_bytes :].tobytes() != _in_order_table(count, self.stride):
+        if not self.own_index(tail):
             return False
         rows = self.grid[-2] if len(self.grid) > 1 else 1
         self.place_slab(key, origin, (0,) * len(self.grid), rows, self.grid[-1], data)
@@ -304,12 +303,15 @@ class _BoxFill:
         many shards, where the index's parsing would cost more than the chunks' copy."""
         if not self.blocks:
             return False
-        table = tail[self.tail_bytes - self.table_bytes :]
         return (
-            self.count * self.stride <= size - self.tail_bytes
-            and table == _in_order_table(self.count, self.stride)
-            and self.inside(origin, ranges)
+            self.count * self.stride <= size - self.tail_bytes and self.own_index(tail) and self.inside(origin, ranges)
         )
+
+    def own_index(self, tail: bytes | np.ndarray) -> bool:
+        """Whether the index at the end of a shard's ``tail`` is byte for byte the one layoutckpt
+        writes (its chunks one after the other in C order from the shard's first byte),
+        checksum included."""
+        return bytes(tail[self.tail_bytes - self.table_bytes :]) == _in_order_table(self.count, self.stride)
 
     def index(self, key: str, tail: bytes, size: int, base: int) -> tuple[np.ndarray, np.ndarray]:
         """The index of the shard of ``size`` bytes at ``base`` in its file, from its ``tail``:
