@@ -26,7 +26,7 @@ from .base._gc import collector_paused
 from .base._metrics import LOAD_PHASES, Metrics, Phases, report
 from .base._options import LoadKeywords, LoadOptions, options_of
 from .engine._read import BackgroundReads, BoxRead
-from .format._dtypes import numpy_dtype
+from .format._dtypes import NUMPY_TO_ZARR, numpy_dtype
 from .format._format import ArrayMeta, CheckpointMeta
 from .layout import _flat, _plan
 from .layout._flat import Flat
@@ -42,7 +42,8 @@ from .storage._readers import BoxReader, Lease
 from .torch._dist import check_mesh, comm_for
 from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from .torch._pinned import HostArena
-from .torch._torch import installed, is_tensor
+from .torch._tensors import from_numpy, to_numpy, torch_dtype, zarr_name_of
+from .torch._torch import installed, is_tensor, torch
 
 Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
 
@@ -615,9 +616,6 @@ class _Builder:
 
 def _as_tensor(data: np.ndarray, dtype: str) -> Any:
     """``data`` as a tensor of the stored ``dtype``, sharing its memory."""
-    from .torch._tensors import from_numpy, torch_dtype
-    from .torch._torch import torch
-
     if data.size == 0:
         # NumPy gives empty arrays zero strides, which torch's .view(dtype) refuses.
         return torch.zeros(data.shape, dtype=torch_dtype(dtype))
@@ -648,8 +646,6 @@ def _settle(wanted: _Requests, plan: _LoadPlan) -> None:
     (``Lease.check``)."""
     keys = wanted.copied_async()
     if keys:
-        from .torch._torch import torch
-
         for device in {local_device(t) for n, t in plan.template.items() if plan.targets.get(n) in keys}:
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
@@ -669,8 +665,6 @@ def _own_memory(target: Any, dtype: str) -> np.ndarray | None:
         return local if ok else None
     if not is_tensor(local) or not local.is_cpu or not local.is_contiguous() or local.is_sparse:
         return None
-    from .torch._tensors import to_numpy, zarr_name_of
-
     if zarr_name_of(local.dtype) != dtype or local.is_conj() or local.is_neg():
         return None
     view = to_numpy(local)
@@ -753,14 +747,9 @@ def _check_template(name: str, target: Any, a: ArrayMeta, local: tuple[int, ...]
             f"array {name!r}: the template holds a {type(target).__name__} there, but the checkpoint "
             "stores an array; put a tensor (a 'meta' tensor is fine) in the template"
         )
-    from .torch._tensors import zarr_name_of
-    from .torch._torch import is_tensor
-
     if is_tensor(target):
         dtype = zarr_name_of(target.dtype)
     else:
-        from .format._dtypes import NUMPY_TO_ZARR
-
         dtype = NUMPY_TO_ZARR.get(np.dtype(target.dtype))
     if tuple(target.shape) != local:
         raise TemplateMismatchError(

@@ -6,6 +6,7 @@ manner of ``jax.sharding.PartitionSpec``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 
@@ -214,6 +215,8 @@ def entry_axes(entry: SpecEntry) -> tuple[str, ...]:
 
 def check_spec(spec: P, mesh: Mesh, ndim: int, name: str, shape: tuple[int, ...] | None = None) -> None:
     """Raise a ``LayoutError`` naming the array if ``spec`` cannot split it on ``mesh``."""
+    if _fits(spec, mesh, ndim):
+        return
     where = f"array {name!r}" + (f" with shape {tuple(shape)}" if shape is not None else f" of rank {ndim}")
     if len(spec) > ndim:
         raise LayoutError(
@@ -221,9 +224,13 @@ def check_spec(spec: P, mesh: Mesh, ndim: int, name: str, shape: tuple[int, ...]
             f"dimension(s); shorten the spec or fix the rule that matched {name!r}"
         )
     # A repeated axis never gets here: ``P`` refuses it when built.
-    for axis in spec.axes:
-        if axis not in mesh.axis_names:
-            raise LayoutError(
-                f"{where}: spec {spec!r} names axis {axis!r}, which {mesh!r} does not have; "
-                f"use one of {list(mesh.axis_names)}"
-            )
+    axis = next(a for a in spec.axes if a not in mesh.axis_names)
+    raise LayoutError(
+        f"{where}: spec {spec!r} names axis {axis!r}, which {mesh!r} does not have; use one of {list(mesh.axis_names)}"
+    )
+
+
+# A load checks every array's spec, and the layers of a model repeat a few specs and dimension counts.
+@functools.lru_cache(maxsize=4096)
+def _fits(spec: P, mesh: Mesh, ndim: int) -> bool:
+    return len(spec) <= ndim and all(a in mesh.axis_names for a in spec.axes)

@@ -185,36 +185,28 @@ class _BoxFill:
 
     def __init__(self, meta: ArrayMeta, box: Box, out: np.ndarray, complete: bool, io: IOConfig) -> None:
         self.meta, self.box, self.out, self.complete, self.io = meta, box, out, complete, io
-        self.inner = tuple(meta.inner_chunk_shape)
-        self.chunk_bytes = out.dtype.itemsize * math.prod(self.inner)
+        itemsize = out.dtype.itemsize
+        self.codec = None if meta.compression is None else codec_for(meta.compression, itemsize)
+        shape = _shard_geometry(tuple(meta.shard_shape), tuple(meta.inner_chunk_shape), itemsize)
+        self.inner, self.grid, self.steps, self.count, self.chunk_bytes, self.chunk_strides, self.span = shape
         self.stride = self.chunk_bytes + 4  # an uncompressed chunk as stored: its items, then its crc32c
-        self.codec = codec_for(meta.compression, out.dtype.itemsize)
-        # Where inner chunk ``at`` of a shard sits in its index: C order over the shard's inner grid.
-        self.grid = [-(-s // c) for s, c in zip(meta.shard_shape, self.inner)]
-        self.steps = [math.prod(self.grid[d + 1 :]) for d in range(len(self.grid))]
-        self.count = math.prod(self.grid)
         self.table_bytes = 16 * self.count + 4
         # A bound array's shards hold their binding block just before the index: read with it.
         self.tail_bytes = self.table_bytes + (BINDING_BYTES if meta.bound_to is not None else 0)
-        self.buffer = np.empty(0, np.uint8)
-        self.decoded = np.empty(0, np.uint8)  # an inner chunk's decoded bytes, reused
+        self.buffer = self.decoded = _EMPTY  # the run buffer and a chunk's decoded bytes, made when needed
         # Uncompressed chunks of a run that lie side by side along the last dimension, whole
         # inside the box, are placed with one strided copy (``place_block``).
-        self.blocks = self.codec is None and len(self.inner) > 0 and out.dtype.itemsize > 0
+        self.blocks = self.codec is None and len(self.inner) > 0 and itemsize > 0
         # Blocks are copied as plain items of the same size: strided views of dtypes NumPy only
         # knows through an extension (float8, bfloat16) cannot be made.
-        self.items = out.view(f"V{out.dtype.itemsize}") if self.blocks else out
-        # The byte strides of an inner chunk's items, as stored (C order).
-        self.chunk_strides = [out.dtype.itemsize * math.prod(self.inner[d + 1 :]) for d in range(len(self.inner))]
+        self.items = out.view(_void(itemsize)) if self.blocks else out
+        # A shard is read whole (``whole``) where its chunks are uncompressed and its inner grid
+        # is at most two chunks deep, so that one strided copy places them all.
+        self.whole_ok = self.blocks and all(g == 1 for g in self.grid[:-2])
 
     def shard(self, files: Files, key: str, extent: Extent | None, cell: Sequence[int], prefetch: bool) -> int:
         """Read this box's part of one shard, stored at ``extent``; return the bytes read."""
         origin = [c * s for c, s in zip(cell, self.meta.shard_shape)]
-        # The inner chunks of this shard that the box overlaps, along each dimension.
-        ranges = [
-            range((max(a, o) - o) // c, (min(b, o + s) - 1 - o) // c + 1)
-            for (a, b), o, s, c in zip(self.box, origin, self.meta.shard_shape, self.inner)
-        ]
         try:
             if extent is None:
                 raise FileNotFoundError(key)
@@ -226,7 +218,7 @@ class _BoxFill:
         except (FileNotFoundError, NotADirectoryError):
             if self.complete:
                 raise Damaged(True, f"shard {key} does not exist") from None
-            for at in itertools.product(*ranges):
+            for at in itertools.product(*self.ranges(origin)):
                 self.place(origin, at, None)
             return 0
         try:
@@ -236,30 +228,42 @@ class _BoxFill:
                 size = extent.length
             if (
                 not prefetch
-                and self.wanted_whole(origin, ranges, size)
+                and self.wanted_whole(origin, size)
                 and self.whole(fd, key, cell, origin, size, extent.offset)
             ):
                 return size
+            ranges = self.ranges(origin)
             tail = self.tail(fd, key, cell, size, extent.offset)
+            ordered = self.in_order(tail, size)
             # Read ahead (a large read, ``prefetch``) goes run by run: it is what a cold file needs.
-            if not prefetch and self.in_order(origin, ranges, tail, size):
+            if not prefetch and ordered and self.inside(origin, ranges):
                 return self.tail_bytes + self.fetch_grid(fd, key, origin, ranges, extent.offset)
-            offsets, lengths = self.index(key, tail, size, extent.offset)
+            if ordered:
+                offsets, lengths = self.ordered_index(extent.offset)
+            else:
+                offsets, lengths = self.index(key, tail, size, extent.offset)
             runs = self.runs(key, origin, ranges, offsets.tolist(), lengths.tolist(), size)
             return self.tail_bytes + (self.fetch(fd, key, origin, runs, prefetch) if runs else 0)
         finally:
             if owned:
                 os.close(fd)
 
-    def wanted_whole(self, origin: Sequence[int], ranges: list[range], size: int) -> bool:
-        """Whether the box wants every inner chunk of this shard, each whole inside the array, and
-        the shard is small and uncompressed: a candidate for ``whole``."""
-        if not self.blocks or size > WHOLE_SHARD_BYTES or any(g != 1 for g in self.grid[:-2]):
+    def ranges(self, origin: Sequence[int]) -> list[range]:
+        """The inner chunks of the shard at ``origin`` that the box overlaps, along each dimension."""
+        return [
+            range((max(a, o) - o) // c, (min(b, o + s) - 1 - o) // c + 1)
+            for (a, b), o, s, c in zip(self.box, origin, self.meta.shard_shape, self.inner)
+        ]
+
+    def wanted_whole(self, origin: Sequence[int], size: int) -> bool:
+        """Whether the shard at ``origin``, its last chunks' padding included, lies inside the box
+        and the array, and is small and uncompressed: a candidate for ``whole``."""
+        if not self.whole_ok or size > WHOLE_SHARD_BYTES:
             return False
-        if any(r.start != 0 or r.stop != g for r, g in zip(ranges, self.grid)):
-            return False
-        lo, hi = self.whole_span(origin)
-        return all(a == 0 for a in lo) and hi == self.grid
+        return all(
+            a <= o and o + s <= b and o + s <= n
+            for (a, b), o, s, n in zip(self.box, origin, self.span, self.meta.shape)
+        )
 
     def whole(self, fd: int, key: str, cell: Sequence[int], origin: Sequence[int], size: int, base: int) -> bool:
         """Read a shard wanted whole (``wanted_whole``) with one call, chunks and index together,
@@ -295,17 +299,19 @@ class _BoxFill:
         check_binding(self.meta, key, cell, tail)
         return tail
 
-    def in_order(self, origin: Sequence[int], ranges: list[range], tail: bytes, size: int) -> bool:
-        """Whether the shard's index is the one layoutckpt writes (its uncompressed chunks one
-        after the other in C order from its first byte, before the tail; checksum included) and
-        every chunk the box wants of it lies whole inside the box: ``fetch_grid`` then reads
-        them with no index parsed or checked entry by entry. A resharded load reads a part of
-        many shards, where the index's parsing would cost more than the chunks' copy."""
-        if not self.blocks:
-            return False
-        return (
-            self.count * self.stride <= size - self.tail_bytes and self.own_index(tail) and self.inside(origin, ranges)
-        )
+    def in_order(self, tail: bytes, size: int) -> bool:
+        """Whether the shard's index is the one layoutckpt writes: its uncompressed chunks one
+        after the other in C order from its first byte, before the tail, checksum included. Its
+        entries are then known (``ordered_index``) and need no parsing or checking entry by
+        entry: a resharded load reads a part of many shards, where that would cost more than
+        the chunks' copy. Where every chunk the box wants of it lies whole inside the box,
+        ``fetch_grid`` reads them in slabs."""
+        return self.blocks and self.count * self.stride <= size - self.tail_bytes and self.own_index(tail)
+
+    def ordered_index(self, base: int) -> tuple[np.ndarray, np.ndarray]:
+        """``index`` of a shard stored at ``base`` in its file and laid out in order (``in_order``)."""
+        offsets = np.arange(base, base + self.count * self.stride, self.stride, dtype=np.uint64)
+        return offsets, np.full(self.count, self.stride, np.uint64)
 
     def own_index(self, tail: bytes | np.ndarray) -> bool:
         """Whether the index at the end of a shard's ``tail`` is byte for byte the one layoutckpt
@@ -409,7 +415,7 @@ class _BoxFill:
         stride = self.stride
         # One call over them all, where all are intact, rather than one per chunk: each call
         # hands the GIL to the other reading threads and back.
-        if count > 1 and crc32c.crc32c(data[: count * stride]) == _intact_crc(stride, count):
+        if crc32c.crc32c(data[: count * stride]) == _intact_crc(stride, count):
             return None
         view = memoryview(data)
         found = [crc32c.crc32c(view[k * stride : k * stride + self.chunk_bytes]) for k in range(count)]
@@ -619,6 +625,30 @@ _scratch_local = threading.local()
 # A reader thread keeps its run buffer from one ``read_box`` to the next up to this size: a
 # buffer made afresh for every box pays page faults on every run it reads into.
 _SCRATCH_KEEP = 8 << 20
+
+
+_EMPTY = np.empty(0, np.uint8)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shard_geometry(
+    shard: tuple[int, ...], inner: tuple[int, ...], itemsize: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int, tuple[int, ...], tuple[int, ...]]:
+    """``(inner, grid, steps, count, chunk_bytes, chunk_strides, span)`` of a shard of shape
+    ``shard`` cut into inner chunks of shape ``inner`` of ``itemsize``-byte items: the shard's
+    inner grid, the index step of each of its dimensions (C order), its chunk count, a chunk's
+    bytes and the byte strides of its items (C order), and the shard's extent padded to whole
+    chunks. The layers of a model repeat a few shapes, so a load works each out once."""
+    grid = tuple(-(-s // c) for s, c in zip(shard, inner))
+    steps = tuple(math.prod(grid[d + 1 :]) for d in range(len(grid)))
+    strides = tuple(itemsize * math.prod(inner[d + 1 :]) for d in range(len(inner)))
+    span = tuple(g * c for g, c in zip(grid, inner))
+    return inner, grid, steps, math.prod(grid), itemsize * math.prod(inner), strides, span
+
+
+@functools.lru_cache(maxsize=64)
+def _void(itemsize: int) -> np.dtype:
+    return np.dtype(f"V{itemsize}")
 
 
 @functools.lru_cache(maxsize=256)

@@ -393,6 +393,31 @@ def test_a_reader_keeps_a_few_shared_data_files_open_until_closed(tmp_path, monk
         os.fstat(fd)
 
 
+def test_chunks_cut_by_the_box_of_a_shard_stored_in_order_are_read_without_parsing_its_index(tmp_path, monkeypatch):
+    """A box whose edges cut through inner chunks (a small array resharded) reads them from a
+    shard laid out as layoutckpt writes it with no index parsed; each chunk's checksum still
+    holds it, and a damaged one is named."""
+    shape, inner = (64, 48), (8, 6)
+    meta = _meta(shape, shape, inner, "float32")
+    array = _array(shape, "float32")
+    _shardfile.write_shard(tmp_path, meta, (0, 0), array.dtype, array)
+    parsed = []
+    real = _shardread.checked_index
+    monkeypatch.setattr(_shardread, "checked_index", lambda *a: parsed.append(a[2]) or real(*a))
+    box = ((3, 61), (5, 25))  # cuts the chunks along both edges of both dimensions
+    out = np.zeros((58, 20), np.float32)
+    _shardread.read_box(tmp_path, meta, box, out)
+    assert out.tobytes() == array[3:61, 5:25].tobytes() and parsed == []
+
+    path = tmp_path / "a" / meta.chunk_key((0, 0))
+    raw = bytearray(path.read_bytes())
+    stride = 4 * int(np.prod(inner)) + 4
+    raw[(1 * 8 + 2) * stride + 5] ^= 1  # inner chunk (1, 2): rows 8-15, columns 12-17
+    path.write_bytes(bytes(raw))
+    with pytest.raises(_shardread.Damaged, match=r"inner chunk \{1, 2\} of shard c\.0\.0 fails its crc32c"):
+        _shardread.read_box(tmp_path, meta, box, np.zeros((58, 20), np.float32))
+
+
 def test_a_part_of_a_shard_stored_in_order_is_read_without_parsing_its_index(tmp_path, monkeypatch):
     """A box that wants a part of a shard laid out as layoutckpt writes it (a resharded load's
     column band) reads its chunks with no index parsed: the index's bytes are the known ones.
