@@ -393,6 +393,26 @@ def test_a_reader_keeps_a_few_shared_data_files_open_until_closed(tmp_path, monk
         os.fstat(fd)
 
 
+def test_every_shard_inside_a_box_that_spans_several_is_read_with_one_call(tmp_path, monkeypatch):
+    """A box over several shards (a load on fewer ranks than the save) reads each shard that
+    lies inside it with one call, chunks and index together; the shard it cuts is read in
+    parts."""
+    shape, shard, inner = (64, 48), (16, 48), (8, 6)
+    meta = _meta(shape, shard, inner, "float32")
+    array = _array(shape, "float32")
+    for row in range(4):
+        _shardfile.write_shard(tmp_path, meta, (row, 0), array.dtype, array[16 * row : 16 * (row + 1)])
+    tails = []
+    real = _shardread._BoxFill.tail
+    monkeypatch.setattr(
+        _shardread._BoxFill, "tail", lambda self, fd, key, *a: tails.append(key) or real(self, fd, key, *a)
+    )
+    out = np.zeros((56, 48), np.float32)
+    _shardread.read_box(tmp_path, meta, ((0, 56), (0, 48)), out)  # shards 0-2 whole, half of shard 3
+    assert out.tobytes() == array[:56].tobytes()
+    assert tails == [meta.chunk_key((3, 0))]
+
+
 def test_chunks_cut_by_the_box_of_a_shard_stored_in_order_are_read_without_parsing_its_index(tmp_path, monkeypatch):
     """A box whose edges cut through inner chunks (a small array resharded) reads them from a
     shard laid out as layoutckpt writes it with no index parsed; each chunk's checksum still
