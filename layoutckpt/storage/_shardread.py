@@ -200,8 +200,8 @@ class _BoxFill:
         # Blocks are copied as plain items of the same size: strided views of dtypes NumPy only
         # knows through an extension (float8, bfloat16) cannot be made.
         self.items = out.view(_void(itemsize)) if self.blocks else out
-        # A shard is read whole (``whole``) where its chunks are uncompressed and its inner grid
-        # is at most two chunks deep, so that one strided copy places them all.
+        # A shard is read whole (``whole``) where its chunks are uncompressed and only its last
+        # two dimensions hold more than one chunk, so that one strided copy places them all.
         self.whole_ok = self.blocks and all(g == 1 for g in self.grid[:-2])
 
     def shard(self, files: Files, key: str, extent: Extent | None, cell: Sequence[int], prefetch: bool) -> int:
