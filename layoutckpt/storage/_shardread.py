@@ -26,7 +26,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 import crc32c
@@ -630,20 +630,26 @@ _SCRATCH_KEEP = 8 << 20
 _EMPTY = np.empty(0, np.uint8)
 
 
+class _Geometry(NamedTuple):
+    """A shard of shape ``shard`` cut into inner chunks of shape ``inner``, of items of one size."""
+
+    inner: tuple[int, ...]
+    grid: tuple[int, ...]  # the shard's inner grid
+    steps: tuple[int, ...]  # a chunk's index step along each dimension (C order)
+    count: int  # its chunks
+    chunk_bytes: int
+    chunk_strides: tuple[int, ...]  # the byte strides of a chunk's items (C order)
+    span: tuple[int, ...]  # the shard's extent padded to whole chunks
+
+
+# The layers of a model repeat a few shapes, so a load works each out once.
 @functools.lru_cache(maxsize=1024)
-def _shard_geometry(
-    shard: tuple[int, ...], inner: tuple[int, ...], itemsize: int
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int, tuple[int, ...], tuple[int, ...]]:
-    """``(inner, grid, steps, count, chunk_bytes, chunk_strides, span)`` of a shard of shape
-    ``shard`` cut into inner chunks of shape ``inner`` of ``itemsize``-byte items: the shard's
-    inner grid, the index step of each of its dimensions (C order), its chunk count, a chunk's
-    bytes and the byte strides of its items (C order), and the shard's extent padded to whole
-    chunks. The layers of a model repeat a few shapes, so a load works each out once."""
+def _shard_geometry(shard: tuple[int, ...], inner: tuple[int, ...], itemsize: int) -> _Geometry:
     grid = tuple(-(-s // c) for s, c in zip(shard, inner))
     steps = tuple(math.prod(grid[d + 1 :]) for d in range(len(grid)))
     strides = tuple(itemsize * math.prod(inner[d + 1 :]) for d in range(len(inner)))
     span = tuple(g * c for g, c in zip(grid, inner))
-    return inner, grid, steps, math.prod(grid), itemsize * math.prod(inner), strides, span
+    return _Geometry(inner, grid, steps, math.prod(grid), itemsize * math.prod(inner), strides, span)
 
 
 @functools.lru_cache(maxsize=64)
