@@ -226,11 +226,8 @@ class _BoxFill:
                 if extent.offset + extent.length > size:
                     raise Damaged(False, f"shard {key} is cut short: its data file {extent.path} ends at byte {size}")
                 size = extent.length
-            if (
-                not prefetch
-                and self.wanted_whole(origin, size)
-                and self.whole(fd, key, cell, origin, size, extent.offset)
-            ):
+            inside = None if prefetch else self.wants_all(origin, size)
+            if inside is not None and self.whole(fd, key, cell, origin, size, extent.offset, inside):
                 return size
             ranges = self.ranges(origin)
             tail = self.tail(fd, key, cell, size, extent.offset)
@@ -255,23 +252,33 @@ class _BoxFill:
             for (a, b), o, s, c in zip(self.box, origin, self.meta.shard_shape, self.inner)
         ]
 
-    def wanted_whole(self, origin: Sequence[int], size: int) -> bool:
-        """Whether the shard at ``origin``, its last chunks' padding included, lies inside the box
-        and the array, and is small and uncompressed: a candidate for ``whole``."""
+    def wants_all(self, origin: Sequence[int], size: int) -> bool | None:
+        """Whether the shard at ``origin`` lies inside the box and the array, its last chunks'
+        padding included, where it is a candidate for ``whole``: small, uncompressed, and every
+        inner chunk of it overlaps the box inside the array, so that one call reads no byte the
+        chunk-by-chunk path would not. None where it is not a candidate."""
         if not self.whole_ok or size > WHOLE_SHARD_BYTES:
-            return False
-        return all(
-            a <= o and o + s <= b and o + s <= n
-            for (a, b), o, s, n in zip(self.box, origin, self.span, self.meta.shape)
-        )
+            return None
+        inside = True
+        for (a, b), o, s, c, n in zip(self.box, origin, self.span, self.inner, self.meta.shape):
+            end = o + s
+            if a <= o and end <= b and end <= n:
+                continue
+            if a >= o + c or end - c >= min(b, n):
+                return None
+            inside = False
+        return inside
 
-    def whole(self, fd: int, key: str, cell: Sequence[int], origin: Sequence[int], size: int, base: int) -> bool:
-        """Read a shard wanted whole (``wanted_whole``) with one call, chunks and index together,
-        and place it with one strided copy: the common case of a load, where the work per shard
-        bounds a warm read. Returns False, having placed nothing, where the shard is not laid out
-        as layoutckpt writes it (its chunks in C order from its first byte, then the binding
-        block and the index): the caller then reads it chunk by chunk. An index equal to the one
-        of that layout, its checksum included, needs no other check."""
+    def whole(
+        self, fd: int, key: str, cell: Sequence[int], origin: Sequence[int], size: int, base: int, inside: bool
+    ) -> bool:
+        """Read a shard the box wants every chunk of (``wants_all``) with one call, chunks and
+        index together: the common case of a load, where the work per shard bounds a warm read.
+        A shard ``inside`` the box is placed with one strided copy, one the box cuts (a small
+        array resharded) chunk by chunk. Returns False, having placed nothing, where the shard
+        is not laid out as layoutckpt writes it (its chunks in C order from its first byte, then
+        the binding block and the index): the caller then reads it chunk by chunk. An index
+        equal to the one of that layout, its checksum included, needs no other check."""
         if size != self.count * self.stride + self.tail_bytes:
             return False
         if len(self.buffer) < size:
@@ -283,8 +290,16 @@ class _BoxFill:
         check_binding(self.meta, key, cell, tail)
         if not self.own_index(tail):
             return False
-        rows = self.grid[-2] if len(self.grid) > 1 else 1
-        self.place_slab(key, origin, (0,) * len(self.grid), rows, self.grid[-1], data)
+        if inside:
+            rows = self.grid[-2] if len(self.grid) > 1 else 1
+            self.place_slab(key, origin, (0,) * len(self.grid), rows, self.grid[-1], data)
+        elif self.count == 1:
+            first = (0,) * len(self.grid)
+            self.check_slab(key, first, 1, 1, data)
+            self.place(origin, first, data[: self.chunk_bytes].view(self.out.dtype))
+        else:
+            every = itertools.product(*(range(g) for g in self.grid))
+            self.check_blocks(key, origin, [(k, at, 0, self.stride) for k, at in enumerate(every)], data)
         return True
 
     def tail(self, fd: int, key: str, cell: Sequence[int], size: int, base: int) -> bytes:
@@ -386,11 +401,16 @@ class _BoxFill:
     ) -> None:
         """Check the ``rows`` x ``cols`` whole chunks from ``at`` on, stored one after the other at
         the start of ``data``, and place them with one strided copy; damage names its chunk."""
+        self.check_slab(key, at, rows, cols, data)
+        self.place_block(origin, at, rows, cols, data)
+
+    def check_slab(self, key: str, at: Sequence[int], rows: int, cols: int, data: np.ndarray) -> None:
+        """Check the ``rows`` x ``cols`` whole chunks from ``at`` on, stored one after the other at
+        the start of ``data``; damage names its chunk."""
         bad = self.failing(data, rows * cols)
         if bad is not None:
             cell = (*at[:-2], at[-2] + bad // cols, at[-1] + bad % cols) if len(at) > 1 else (at[0] + bad,)
             raise Damaged(False, f"inner chunk {_cell(cell)} of shard {key} fails its crc32c")
-        self.place_block(origin, at, rows, cols, data)
 
     def slabs(self, ranges: list[range]) -> list[tuple[tuple[int, ...], int, int]]:
         """The wanted chunks ``ranges`` of a shard cut into ``(at, rows, cols)`` blocks of at

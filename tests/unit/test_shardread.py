@@ -438,6 +438,48 @@ def test_chunks_cut_by_the_box_of_a_shard_stored_in_order_are_read_without_parsi
         _shardread.read_box(tmp_path, meta, box, np.zeros((58, 20), np.float32))
 
 
+@pytest.mark.parametrize(
+    ("shape", "inner", "box", "bad"),
+    [
+        ((64, 48), (8, 6), ((3, 61), (2, 46)), [(0, 0), (3, 4)]),  # every chunk cut or inside
+        ((10, 12), (10, 12), ((2, 9), (0, 5)), [(0, 0)]),  # one chunk: a small array resharded
+        ((12, 10, 8), (12, 5, 2), ((0, 12), (1, 9), (1, 7)), [(0, 1, 3)]),
+        ((40,), (4,), ((1, 39),), [(0,), (9,)]),
+    ],
+)
+def test_a_small_shard_the_box_cuts_but_wants_every_chunk_of_is_read_with_one_call(
+    tmp_path, monkeypatch, shape, inner, box, bad
+):
+    """A box that overlaps every inner chunk of a small shard but cuts some of them (a small
+    array resharded) reads the shard with one call, chunks and index together: the bytes the
+    chunk-by-chunk path reads, in one system call. The box comes back exactly, and a damaged
+    chunk, cut or not, is named by its cell."""
+    meta = _meta(shape, shape, inner, "float32")
+    array = _array(shape, "float32")
+    cell = (0,) * len(shape)
+    _shardfile.write_shard(tmp_path, meta, cell, array.dtype, array)
+    path = tmp_path / "a" / meta.chunk_key(cell)
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(_shardread.os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0])) or real(fd, bufs, at))
+    monkeypatch.setattr(_shardread.os, "pread", lambda *a: pytest.fail("the tail was read on its own"))
+    want = array[tuple(slice(a, b) for a, b in box)]
+    out = np.zeros_like(want)
+    assert _shardread.read_box(tmp_path, meta, box, out) == path.stat().st_size
+    assert out.tobytes() == want.tobytes() and reads == [path.stat().st_size]
+
+    raw = path.read_bytes()
+    grid = [n // c for n, c in zip(shape, inner)]
+    stride = 4 * int(np.prod(inner)) + 4
+    for at in bad:
+        damaged = bytearray(raw)
+        damaged[int(np.ravel_multi_index(at, grid)) * stride + 1] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        named = ", ".join(map(str, at))
+        with pytest.raises(_shardread.Damaged, match=rf"inner chunk \{{{named}\}} of shard .* fails its crc32c"):
+            _shardread.read_box(tmp_path, meta, box, np.zeros_like(want))
+
+
 def test_a_part_of_a_shard_stored_in_order_is_read_without_parsing_its_index(tmp_path, monkeypatch):
     """A box that wants a part of a shard laid out as layoutckpt writes it (a resharded load's
     column band) reads its chunks with no index parsed: the index's bytes are the known ones.
