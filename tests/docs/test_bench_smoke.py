@@ -183,3 +183,13 @@ def test_the_per_array_benchmark_reports_every_operation(tmp_path):
     proc = run_benchmark("per_array.py", "--arrays", "40", "--repeats", "1", "--dir", str(tmp_path))
     for op in ("save", "save_async blocked", "tier save blocked", "load in place"):
         assert re.search(rf"^{op} +\d+ \(", proc.stdout, re.M), proc.stdout
+
+
+def test_the_byte_passes_benchmark_times_every_pass_and_leaves_no_file(tmp_path):
+    """``byte_passes.py`` on a few MiB: a row per pass with its time and its ratio to memcpy
+    (1.00 for memcpy itself), and its scratch file removed."""
+    proc = run_benchmark("byte_passes.py", "--gib", "0.01", "--repeats", "1", "--dir", str(tmp_path))
+    passes = ("memcpy", "kernel copy", "crc32c", "tiles", "checked read", "checked read, tiles")
+    found = dict(re.findall(r"^(\S.*?) +\d+ \(\d+-\d+\) +([\d.]+)$", proc.stdout, re.M))
+    assert set(found) == set(passes) and found["memcpy"] == "1.00", proc.stdout
+    assert list(tmp_path.iterdir()) == []
