@@ -233,7 +233,7 @@ class _BoxFill:
             tail = self.tail(fd, key, cell, size, extent.offset)
             ordered = self.in_order(tail, size)
             # Read ahead (a large read, ``prefetch``) goes run by run: it is what a cold file needs.
-            if not prefetch and ordered and self.inside(origin, ranges):
+            if not prefetch and ordered:
                 return self.tail_bytes + self.fetch_grid(fd, key, origin, ranges, extent.offset)
             if ordered:
                 offsets, lengths = self.ordered_index(extent.offset)
@@ -290,16 +290,9 @@ class _BoxFill:
         check_binding(self.meta, key, cell, tail)
         if not self.own_index(tail):
             return False
-        if inside:
-            rows = self.grid[-2] if len(self.grid) > 1 else 1
-            self.place_slab(key, origin, (0,) * len(self.grid), rows, self.grid[-1], data)
-        elif self.count == 1:
-            first = (0,) * len(self.grid)
-            self.check_slab(key, first, 1, 1, data)
-            self.place(origin, first, data[: self.chunk_bytes].view(self.out.dtype))
-        else:
-            every = itertools.product(*(range(g) for g in self.grid))
-            self.check_blocks(key, origin, [(k, at, 0, self.stride) for k, at in enumerate(every)], data)
+        first, rows = (0,) * len(self.grid), self.grid[-2] if len(self.grid) > 1 else 1
+        place = self.place_slab if inside else self.place_cut
+        place(key, origin, first, rows, self.grid[-1], data)
         return True
 
     def tail(self, fd: int, key: str, cell: Sequence[int], size: int, base: int) -> bytes:
@@ -375,10 +368,12 @@ class _BoxFill:
         """``fetch`` of the wanted chunks of a shard stored in order (``in_order``): in
         slabs of whole chunks of up to ``CACHED_RUN_BYTES``, each read with one ``preadv`` per
         row of chunks (one in all where the rows are whole and so follow one another in the
-        file), checked, and placed with one strided copy, with no Python per chunk but its
-        checksum. Returns the bytes read."""
+        file) and checked with one call. A slab whole inside the box is placed with one strided
+        copy; one with chunks the box cuts (at its edges) in blocks and cut chunks. Returns the
+        bytes read."""
         stride = self.stride
         full = len(ranges[-1]) == self.grid[-1]
+        lo, hi = self.whole_span(origin)
         total = 0
         for at, rows, cols in self.slabs(ranges):
             nbytes = rows * cols * stride
@@ -392,7 +387,9 @@ class _BoxFill:
                 row = data[i * row_bytes : (i + 1) * row_bytes]
                 if os.preadv(fd, [row], start + (first + i * row_step) * stride) != len(row):
                     raise Damaged(False, f"inner chunk {_cell(at)} of shard {key} is cut short")
-            self.place_slab(key, origin, at, rows, cols, data)
+            ends = (*at[:-2], at[-2] + rows - 1, at[-1] + cols - 1) if len(at) > 1 else (at[0] + cols - 1,)
+            inside = all(a <= x and y < b for x, y, a, b in zip(at, ends, lo, hi))
+            (self.place_slab if inside else self.place_cut)(key, origin, at, rows, cols, data)
             total += nbytes
         return total
 
@@ -403,6 +400,17 @@ class _BoxFill:
         the start of ``data``, and place them with one strided copy; damage names its chunk."""
         self.check_slab(key, at, rows, cols, data)
         self.place_block(origin, at, rows, cols, data)
+
+    def place_cut(
+        self, key: str, origin: Sequence[int], at: Sequence[int], rows: int, cols: int, data: np.ndarray
+    ) -> None:
+        """``place_slab`` of a slab the box cuts: its chunks whole inside the box placed in
+        blocks, the others one by one."""
+        if rows * cols == 1:
+            self.check_slab(key, at, 1, 1, data)
+            self.place(origin, at, data[: self.chunk_bytes].view(self.out.dtype))
+        else:
+            self.check_blocks(key, origin, [(0, cell, 0, self.stride) for cell in _slab_cells(at, rows, cols)], data)
 
     def check_slab(self, key: str, at: Sequence[int], rows: int, cols: int, data: np.ndarray) -> None:
         """Check the ``rows`` x ``cols`` whole chunks from ``at`` on, stored one after the other at
@@ -554,11 +562,6 @@ class _BoxFill:
                 self.place_block(origin, run[k][1], rows, cols, data[k * stride :])
             k += rows * cols
 
-    def inside(self, origin: Sequence[int], ranges: list[range]) -> bool:
-        """Whether the chunks ``ranges`` of the shard at ``origin`` all lie whole inside the box."""
-        lo, hi = self.whole_span(origin)
-        return all(a <= r.start and r.stop <= b for r, a, b in zip(ranges, lo, hi))
-
     def whole_span(self, origin: Sequence[int]) -> tuple[list[int], list[int]]:
         """Per dimension, the inner chunk positions ``[lo, hi)`` of the shard at ``origin`` whose
         chunks lie whole inside the box (and the array)."""
@@ -615,6 +618,15 @@ def _adjacent(runs: list[list[Chunk]], sizes: list[int], i: int, limit: int) -> 
         total += sizes[j]
         j += 1
     return j, total
+
+
+def _slab_cells(at: Sequence[int], rows: int, cols: int) -> list[tuple[int, ...]]:
+    """The cells of the ``rows`` x ``cols`` chunks from ``at`` on, in C order (``cols`` alone
+    for a 1-D array)."""
+    if len(at) == 1:
+        return [(at[0] + c,) for c in range(cols)]
+    lead = tuple(at[:-2])
+    return [(*lead, at[-2] + r, at[-1] + c) for r in range(rows) for c in range(cols)]
 
 
 def _block(run: list[Chunk], k: int, lo: list[int], hi: list[int]) -> tuple[int, int]:

@@ -415,8 +415,8 @@ def test_every_shard_inside_a_box_that_spans_several_is_read_with_one_call(tmp_p
 
 def test_chunks_cut_by_the_box_of_a_shard_stored_in_order_are_read_without_parsing_its_index(tmp_path, monkeypatch):
     """A box whose edges cut through inner chunks (a small array resharded) reads them from a
-    shard laid out as layoutckpt writes it with no index parsed; each chunk's checksum still
-    holds it, and a damaged one is named."""
+    shard laid out as layoutckpt writes it with no index parsed, in slabs rather than runs
+    grouped chunk by chunk; each chunk's checksum still holds it, and a damaged one is named."""
     shape, inner = (64, 48), (8, 6)
     meta = _meta(shape, shape, inner, "float32")
     array = _array(shape, "float32")
@@ -424,6 +424,7 @@ def test_chunks_cut_by_the_box_of_a_shard_stored_in_order_are_read_without_parsi
     parsed = []
     real = _shardread.checked_index
     monkeypatch.setattr(_shardread, "checked_index", lambda *a: parsed.append(a[2]) or real(*a))
+    monkeypatch.setattr(_shardread._BoxFill, "runs", lambda *a: pytest.fail("the chunks were grouped into runs"))
     box = ((3, 61), (5, 25))  # cuts the chunks along both edges of both dimensions
     out = np.zeros((58, 20), np.float32)
     _shardread.read_box(tmp_path, meta, box, out)
