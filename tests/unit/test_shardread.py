@@ -333,19 +333,25 @@ def test_a_slab_of_intact_chunks_is_checked_with_one_call(tmp_path, monkeypatch)
     assert calls == [16 * stride] * 4
 
 
+def _one_shard(tmp_path, monkeypatch, shape, inner):
+    """A float32 array of ``shape`` stored as one shard of ``inner`` chunks: its meta, its
+    elements, its file, and the sizes of the ``preadv`` calls made from then on."""
+    meta = _meta(shape, shape, inner, "float32")
+    array = _array(shape, "float32")
+    cell = (0,) * len(shape)
+    _shardfile.write_shard(tmp_path, meta, cell, array.dtype, array)
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(_shardread.os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0])) or real(fd, bufs, at))
+    return meta, array, tmp_path / "a" / meta.chunk_key(cell), reads
+
+
 @pytest.mark.parametrize(("shape", "inner"), [((64, 48), (8, 6)), ((12, 10, 8), (12, 5, 2)), ((40,), (4,))])
 def test_a_small_shard_wanted_whole_is_read_with_one_call(tmp_path, monkeypatch, shape, inner):
     """A shard a box wants whole, laid out as layoutckpt writes it, is read with one call (its
     chunks and index together); damage is still named by its chunk; a shard whose chunks lie
     in another order (a valid index, not layoutckpt's layout) is read chunk by chunk, exactly."""
-    meta = _meta(shape, shape, inner, "float32")
-    array = _array(shape, "float32")
-    cell = (0,) * len(shape)
-    _shardfile.write_shard(tmp_path, meta, cell, array.dtype, array)
-    path = tmp_path / "a" / meta.chunk_key(cell)
-    reads = []
-    real = os.preadv
-    monkeypatch.setattr(_shardread.os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0])) or real(fd, bufs, at))
+    meta, array, path, reads = _one_shard(tmp_path, monkeypatch, shape, inner)
     box = tuple((0, n) for n in shape)
 
     def read() -> np.ndarray:
@@ -455,14 +461,7 @@ def test_a_small_shard_the_box_cuts_but_wants_every_chunk_of_is_read_with_one_ca
     array resharded) reads the shard with one call, chunks and index together: the bytes the
     chunk-by-chunk path reads, in one system call. The box comes back exactly, and a damaged
     chunk, cut or not, is named by its cell."""
-    meta = _meta(shape, shape, inner, "float32")
-    array = _array(shape, "float32")
-    cell = (0,) * len(shape)
-    _shardfile.write_shard(tmp_path, meta, cell, array.dtype, array)
-    path = tmp_path / "a" / meta.chunk_key(cell)
-    reads = []
-    real = os.preadv
-    monkeypatch.setattr(_shardread.os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0])) or real(fd, bufs, at))
+    meta, array, path, reads = _one_shard(tmp_path, monkeypatch, shape, inner)
     monkeypatch.setattr(_shardread.os, "pread", lambda *a: pytest.fail("the tail was read on its own"))
     want = array[tuple(slice(a, b) for a, b in box)]
     out = np.zeros_like(want)
