@@ -72,7 +72,7 @@ def _passes(fd: int, nbytes: int) -> dict[str, Callable[[], None]]:
     dst = np.zeros(nbytes, np.uint8)  # touched once: a load in place fills existing memory
     rows, cols = TILE
     per = PIECE // (4 * rows * cols)  # tiles side by side in one piece
-    grid = dst.view(np.float32).reshape(-1, per * cols)  # a destination a piece's tiles fill a band of
+    grid = dst.view(np.float32).reshape(-1, per * cols)  # each piece's tiles fill one band of rows
     tiles = buf.view(np.float32).reshape(per, rows, cols).transpose(1, 0, 2)
 
     def read(off: int) -> None:
@@ -82,10 +82,13 @@ def _passes(fd: int, nbytes: int) -> dict[str, Callable[[], None]]:
         band = off // PIECE * rows
         grid[band : band + rows].reshape(rows, per, cols)[...] = tiles
 
+    def check(off: int) -> None:
+        crc32c.crc32c(buf)
+
     def copy(off: int) -> None:
         dst[off : off + PIECE] = buf
 
-    def each(*steps: Callable[[int], object]) -> Callable[[], None]:
+    def each(*steps: Callable[[int], None]) -> Callable[[], None]:
         def run() -> None:
             for off in range(0, nbytes, PIECE):
                 for step in steps:
@@ -96,10 +99,10 @@ def _passes(fd: int, nbytes: int) -> dict[str, Callable[[], None]]:
     return {
         "memcpy": lambda: np.copyto(dst, src),
         "kernel copy": each(read),
-        "crc32c": each(lambda off: crc32c.crc32c(buf)),
+        "crc32c": each(check),
         "tiles": each(place),
-        "checked read": each(read, lambda off: crc32c.crc32c(buf), copy),
-        "checked read, tiles": each(read, lambda off: crc32c.crc32c(buf), place),
+        "checked read": each(read, check, copy),
+        "checked read, tiles": each(read, check, place),
     }
 
 
