@@ -175,17 +175,37 @@ class Comm:
         """Point to point: send each (to, tag, tensor), receive into each (from, tag, tensor).
 
         Both sides know every message's size from the plan, so no sizes travel. Tensors go as
-        bytes (a contiguous 1-D tensor of any dtype), which every backend can carry.
+        bytes (a contiguous 1-D tensor of any dtype). One on a device the group does not carry
+        point to point (a GPU's under gloo, host memory under NCCL) travels as a copy on one it
+        does, and what arrives in such a copy is copied into its tensor.
         """
         if not sends and not recvs:
             return
-        ops = [dist.P2POp(dist.isend, _as_bytes(t), self._global(to), self.group, tag) for to, tag, t in sends]
-        ops += [dist.P2POp(dist.irecv, _as_bytes(t), self._global(src), self.group, tag) for src, tag, t in recvs]
+        carried = carriers(str(dist.get_backend(self.group)))
+        out = [self._on_carrier(_as_bytes(t), carried, copy=True) for _, _, t in sends]
+        into = [_as_bytes(t) for _, _, t in recvs]
+        staged = [self._on_carrier(t, carried, copy=False) for t in into]
+        ops = [dist.P2POp(dist.isend, t, self._global(to), self.group, tag) for (to, tag, _), t in zip(sends, out)]
+        ops += [
+            dist.P2POp(dist.irecv, t, self._global(src), self.group, tag) for (src, tag, _), t in zip(recvs, staged)
+        ]
         with self._collective("exchange"):
             works = dist.batch_isend_irecv(ops)
             while works:
                 works.pop().wait()
+        for t, s in zip(into, staged):
+            if s is not t:
+                t.copy_(s)
         self._let_go(*(op.tensor for op in ops))
+
+    def _on_carrier(self, t: torch.Tensor, carried: frozenset[str], copy: bool) -> torch.Tensor:
+        """``t`` where the group carries its device point to point; else a tensor like it in
+        host memory or on the group's device, which the group does carry, holding ``t``'s data
+        where ``copy``."""
+        if t.device.type in carried:
+            return t
+        device = torch.device("cpu") if "cpu" in carried else self.device
+        return t.to(device) if copy else torch.empty_like(t, device=device)
 
     @contextlib.contextmanager
     def _collective(self, name: str) -> Iterator[None]:
@@ -321,6 +341,22 @@ def _brief(err: BaseException) -> str:
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
     return f"{type(err).__name__}: {text.split('. ', 1)[0]}"
+
+
+# The device type whose tensors each backend sends point to point. gloo hands a tensor's
+# address to its transport as host memory whatever the device (it registers for CUDA too, for
+# its collectives), and NCCL sends device memory only.
+_POINT_TO_POINT = {"gloo": "cpu", "nccl": "cuda", "mpi": "cpu", "xccl": "xpu"}
+
+
+def carriers(backend: str) -> frozenset[str]:
+    """The device types whose tensors a group of ``backend`` sends point to point:
+    ``"gloo"`` -> cpu, ``"nccl"`` -> cuda, ``"cpu:gloo,cuda:nccl"`` -> both; an unknown backend
+    is trusted with any tensor's own device."""
+    pairs = [p.split(":", 1) if ":" in p else [_POINT_TO_POINT.get(p, ""), p] for p in backend.split(",")]
+    if any(name not in _POINT_TO_POINT for _, name in pairs):
+        return frozenset({"cpu", "cuda", "xpu"})
+    return frozenset(dev for dev, name in pairs if _POINT_TO_POINT[name] == dev)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """CUDA staging: device-to-host copies into pinned buffers on a side stream, for ``save_async``
-and for a manager's fast tier.
+and for a manager's fast tier; and GPU tensors sent between gloo ranks, which carry host memory.
 
 These need a GPU and skip without one (CI has none); the CPU paths are covered everywhere else.
 """
@@ -188,3 +188,46 @@ def test_a_durable_restore_onto_the_gpu_copies_from_page_locked_host_memory(tmp_
         address = arena.memory.ctypes.data  # unregistered: registering it again succeeds
         assert int(cudart.cudaHostRegister(address, arena.memory.nbytes, 0)) == 0
         assert int(cudart.cudaHostUnregister(address)) == 0
+
+
+def _exchange_gpu_tensors(rank: int, group, n: int) -> list[float]:
+    """Rank 0 sends a GPU tensor to rank 1, which receives into one: gloo carries host memory
+    only, so both travel as host copies."""
+    from layoutckpt.torch._dist import comm_for
+
+    comm = comm_for(group)
+    t = torch.arange(n, dtype=torch.float32, device="cuda") if rank == 0 else torch.zeros(n, device="cuda")
+    comm.exchange([(1, 5, t)] if rank == 0 else [], [(0, 5, t)] if rank == 1 else [])
+    assert t.device.type == "cuda"
+    return t.cpu().tolist()
+
+
+def test_ranks_exchange_gpu_tensors_over_gloo(ranks):
+    got = ranks.run(_exchange_gpu_tensors, 2, 1000)
+    assert got[1] == [float(i) for i in range(1000)]
+
+
+def _save_flat_buffer_on_the_gpu(rank: int, group, path: str, full: dict, params: list) -> None:
+    """A ZeRO-style flat buffer held on the GPU, split over two ranks: the row blocks that
+    straddle the split are assembled from a fragment the other rank sends."""
+    mesh = lc.Mesh({"dp": 2})
+    flat = lc.Flat(params, "dp")
+    cat = torch.cat([torch.from_numpy(full[name]).reshape(-1) for name, _ in params])
+    start, stop = flat.piece_range(mesh, flat.piece_of(mesh, rank)[0])
+    buf = torch.zeros(stop - start)
+    part = cat[start : min(stop, cat.numel())]
+    buf[: part.numel()] = part
+    lc.save(path, {"exp_avg": buf.cuda()}, lc.Layout(mesh, [(r"^exp_avg$", flat)]), group=group)
+
+
+def test_a_flat_buffer_on_the_gpu_saves_across_ranks(ranks, tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    params = [("a", (37, 5)), ("b", (11,)), ("c", (3, 4, 5))]
+    full = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in params}
+    path = str(tmp_path / "ck")
+    ranks.run(_save_flat_buffer_on_the_gpu, 2, path, full, params)
+    reader = lc.open(path)
+    for name, _ in params:
+        np.testing.assert_array_equal(reader.read(f"exp_avg.{name}"), full[name])
