@@ -198,11 +198,11 @@ class Comm:
                 t.copy_(s)
         self._let_go(*(op.tensor for op in ops))
 
-    def _on_carrier(self, t: torch.Tensor, carried: frozenset[str], copy: bool) -> torch.Tensor:
+    def _on_carrier(self, t: torch.Tensor, carried: frozenset[str] | None, copy: bool) -> torch.Tensor:
         """``t`` where the group carries its device point to point; else a tensor like it in
         host memory or on the group's device, which the group does carry, holding ``t``'s data
         where ``copy``."""
-        if t.device.type in carried:
+        if carried is None or t.device.type in carried:
             return t
         device = torch.device("cpu") if "cpu" in carried else self.device
         return t.to(device) if copy else torch.empty_like(t, device=device)
@@ -346,16 +346,16 @@ def _brief(err: BaseException) -> str:
 # The device type whose tensors each backend sends point to point. gloo hands a tensor's
 # address to its transport as host memory whatever the device (it registers for CUDA too, for
 # its collectives), and NCCL sends device memory only.
-_POINT_TO_POINT = {"gloo": "cpu", "nccl": "cuda", "mpi": "cpu", "xccl": "xpu"}
+_POINT_TO_POINT = {"gloo": "cpu", "nccl": "cuda", "mpi": "cpu"}
 
 
-def carriers(backend: str) -> frozenset[str]:
+def carriers(backend: str) -> frozenset[str] | None:
     """The device types whose tensors a group of ``backend`` sends point to point:
-    ``"gloo"`` -> cpu, ``"nccl"`` -> cuda, ``"cpu:gloo,cuda:nccl"`` -> both; an unknown backend
-    is trusted with any tensor's own device."""
+    ``"gloo"`` -> cpu, ``"nccl"`` -> cuda, ``"cpu:gloo,cuda:nccl"`` -> both; None where a
+    backend is not known here, whose tensors then go as they are."""
     pairs = [p.split(":", 1) if ":" in p else [_POINT_TO_POINT.get(p, ""), p] for p in backend.split(",")]
     if any(name not in _POINT_TO_POINT for _, name in pairs):
-        return frozenset({"cpu", "cuda", "xpu"})
+        return None
     return frozenset(dev for dev, name in pairs if _POINT_TO_POINT[name] == dev)
 
 
