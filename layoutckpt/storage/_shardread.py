@@ -417,7 +417,7 @@ class _BoxFill:
         the start of ``data``; damage names its chunk."""
         bad = self.failing(data, rows * cols)
         if bad is not None:
-            cell = (*at[:-2], at[-2] + bad // cols, at[-1] + bad % cols) if len(at) > 1 else (at[0] + bad,)
+            cell = _slab_cells(at, rows, cols)[bad]
             raise Damaged(False, f"inner chunk {_cell(cell)} of shard {key} fails its crc32c")
 
     def slabs(self, ranges: list[range]) -> list[tuple[tuple[int, ...], int, int]]:
