@@ -44,13 +44,24 @@ from ._steps import (  # noqa: F401 - re-exported: cli/ and the tests import the
     step_of,
     to_delete,
 )
-from .base._errors import CheckpointNotFoundError, ManagerLockedError
+from .base._errors import CheckpointNotFoundError, ManagerLockedError, TemplateMismatchError
 from .base._futures import SaveFuture
 from .base._options import IOConfig, SaveOptions
 from .layout._layout import Layout
 from .storage import _store
 from .storage._location import locate
-from .tiers import TIER_KEY, Choice, LocalTier, TierMetrics, Tiers, agree, fetch_missing, layout_key
+from .tiers import (
+    TIER_KEY,
+    Choice,
+    LocalTier,
+    TierMetrics,
+    Tiers,
+    agree,
+    fetch_missing,
+    layout_key,
+    load_piece,
+    piece_misfit,
+)
 from .torch._dist import comm_for
 
 _ANY = object()  # no layout given: a fast-tier piece of any layout will do
@@ -215,18 +226,38 @@ class CheckpointManager:
         self._tiers._start_deferred()  # a collective of every rank, as this call is
         return agree(self._tiers.tier, self._comm, self._loc, step, layout_key)
 
-    def _restorable(self, step: int | None, layout: Any = _ANY) -> tuple[Path | str, bool]:
+    def _restorable(self, step: int | None, layout: Any = _ANY, like: Any = _ANY) -> tuple[Path | str, bool]:
         """Where ``step`` (default: the newest every rank can restore) is read on this rank, and
-        whether that is its fast-tier piece; a piece only a peer holds is fetched first."""
+        whether that is its fast-tier piece; a piece only a peer holds is fetched first. For a
+        load into ``like``, the pieces serve only where every rank's fits the template
+        (``piece_misfit``); the durable tier serves otherwise."""
         if self._tiers is None:
             return self._resolve(step), False
         choice = self._choose(step, None if layout is _ANY else layout_key(layout))
-        if choice.tier == "durable":
-            self._tiers._record(restored_step=choice.step, restored_from="durable")
-            return self.path(choice.step), False
-        source = fetch_missing(self._tiers.tier, self._comm, choice)
-        self._tiers._record(restored_step=choice.step, restored_from=source)
-        return self._tiers.tier.piece(choice.step).url, True
+        if choice.tier == "local":
+            source = fetch_missing(self._tiers.tier, self._comm, choice)
+            piece = self._tiers.tier.piece(choice.step).url
+            misfit = None if like is _ANY else self._misfit(piece, like, layout not in (None, _ANY))
+            if misfit is None:
+                self._tiers._record(restored_step=choice.step, restored_from=source)
+                return piece, True
+            if not choice.durable:
+                raise TemplateMismatchError(
+                    f"step {choice.step} is on the fast tiers only, which hold array {misfit!r} as a DTensor's "
+                    "shard, sharded otherwise than the template asks (or wanted whole, without a template); "
+                    "load it into a template sharded as it was saved (like=, or load_state with the same "
+                    "parallelism), or restore a step the durable tier holds (steps()), which reshards"
+                )
+        self._tiers._record(restored_step=choice.step, restored_from="durable")
+        return self.path(choice.step), False
+
+    def _misfit(self, piece: str, like: Any, by_layout: bool) -> str | None:
+        """The first leaf, on any rank, that this step's pieces do not hold as a load into ``like``
+        wants it (collective); None where every rank's piece fits."""
+        info = _store.read_meta(piece).user_metadata.get(TIER_KEY, {})
+        found = piece_misfit(info, like, by_layout=by_layout)
+        everyone = self._comm.all_gather_bytes((found or "").encode())
+        return next((name.decode() for name in everyone if name), None)
 
     def _resolve(self, step: int | None) -> Path | str:
         if step is None:
@@ -355,11 +386,11 @@ class CheckpointManager:
         holds this rank's shards as saved under ``layout``, so it serves only the layout and
         world size that saved it (another one reads the durable tier, which reshards).
         """
-        path, piece = self._restorable(step, layout)
+        path, piece = self._restorable(step, layout, like)
         options.setdefault("io", self._defaults.io)
-        return load(
-            path, None if piece else layout, like=like, select=select, strict=strict, group=self._group, **options
-        )
+        if piece:
+            return load_piece(path, like, select=select, strict=strict, group=self._group, **options)
+        return load(path, layout, like=like, select=select, strict=strict, group=self._group, **options)
 
     def load_state(
         self,
@@ -368,14 +399,21 @@ class CheckpointManager:
         layout: Layout | None = None,
         *,
         step: int | None = None,
-        **options: Any,
+        strict: bool = True,
+        options: Any = None,
     ) -> Any:
         """Restore ``model`` (and ``optimizer``) from ``step`` (default: the latest); see ``lc.load_state``,
         whose ``LoadStateResult`` it returns."""
-        from ._training import load_state
+        from ._training import get_state, restore_state
 
-        path, piece = self._restorable(step)
-        return load_state(path, model, optimizer, None if piece else layout, group=self._group, **options)
+        template = get_state(model, optimizer, options=options)
+        path, piece = self._restorable(step, layout, template)
+        kw = dict(strict=False, group=self._group, io=self._defaults.io)
+
+        def read(like: Any) -> Any:
+            return load_piece(path, like, **kw) if piece else load(path, layout, like=like, **kw)
+
+        return restore_state(path, model, optimizer, template, read, strict=strict, options=options)
 
     def load_rank_state(self, step: int | None = None, *, redistribute: Any = None) -> Any:
         """This rank's ``rank_state=`` of ``step`` (default: the latest); see ``lc.load_rank_state``.

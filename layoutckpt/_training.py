@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -124,12 +125,31 @@ def load_state(
     Returns a ``LoadStateResult``: what was restored, the step, and the names missing.
     """
     template = get_state(model, optimizer, options=options)
+
+    def read(like: Any) -> Any:
+        return load(path, layout, like=like, strict=False, group=group)
+
+    return restore_state(path, model, optimizer, template, read, strict=strict, options=options)
+
+
+def restore_state(
+    path: str | os.PathLike[str],
+    model: Any,
+    optimizer: Any,
+    template: dict[str, Any],
+    read: Callable[[Any], Any],
+    *,
+    strict: bool,
+    options: Any,
+) -> LoadStateResult:
+    """``load_state`` given the model's ``get_state`` already (``template``), its arrays read
+    into a template by ``read``: a manager reads a fast-tier piece its own way."""
     with Reader(path) as rd:
         where, step = rd.path, rd.step
         plan = _plan(template, rd, strict, bool(_optimizers(optimizer)))
     if plan.warning is not None:
-        warnings.warn(plan.warning, UserWarning, stacklevel=2)
-    state = load(path, layout, like=plan.like, strict=False, group=group)
+        warnings.warn(plan.warning, UserWarning, stacklevel=3)  # the caller of load_state
+    state = read(plan.like)
     model_state = state["model"] if plan.nested else state
     lenient = _lenient(options) if any(n.startswith("model.") for n in plan.missing) else options
     if plan.optimizer:

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from .._load import load
 from .._steps import committed_steps
 from ..base._errors import CheckpointNotFoundError
+from ..layout._tree import flatten, unflatten
 from ..storage._location import Location
 from ..torch._dist import Comm
+from ..torch._dtensor import from_local, is_dtensor, sharding_key
 from ._local import LocalTier, Piece, empty_arrays, piece_from_header, read_piece, write_piece
 
 
@@ -33,6 +37,7 @@ class Choice:
     step: int
     tier: str
     sources: tuple[int, ...] = ()
+    durable: bool = False  # whether the durable tier holds the step too
 
 
 def agree(tier: LocalTier, comm: Comm, durable: Location, step: int | None, layout_key: str | None) -> Choice:
@@ -57,9 +62,10 @@ def agree(tier: LocalTier, comm: Comm, durable: Location, step: int | None, layo
         step = newest
     if step in complete:
         by_rank = holders[step]
-        return Choice(step, "local", tuple(r if r in by_rank[r] else min(by_rank[r]) for r in range(comm.world)))
+        sources = tuple(r if r in by_rank[r] else min(by_rank[r]) for r in range(comm.world))
+        return Choice(step, "local", sources, step in durable_steps)
     if step in durable_steps:
-        return Choice(step, "durable")
+        return Choice(step, "durable", durable=True)
     missing = [r for r in range(comm.world) if not holders.get(step, {}).get(r)]
     raise CheckpointNotFoundError(
         errno.ENOENT,
@@ -118,3 +124,41 @@ def _alloc(nbytes: int) -> Any:
     from ..torch._torch import torch
 
     return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def piece_misfit(info: Mapping[str, Any], like: Any, *, by_layout: bool) -> str | None:
+    """The first leaf for which a piece saved with ``info`` (its ``TIER_KEY``) does not give
+    what a load of the durable tier into ``like`` would, or None. Each DTensor of the template
+    must be sharded as the piece's was (the same ``sharding_key``). Other leaves load whole,
+    which a piece holding them as a DTensor's shard cannot give, unless the load is ``by_layout``
+    (the layout the piece was saved under, whose boxes it holds)."""
+    saved = info.get("dtensors", {})
+    if like is None:
+        return None if by_layout else next(iter(saved), None)
+    for name, leaf in flatten(like)[1].items():
+        if is_dtensor(leaf) and saved.get(name) != sharding_key(leaf):
+            return name
+        if not is_dtensor(leaf) and not by_layout and name in saved:
+            return name
+    return None
+
+
+def load_piece(url: str, like: Any = None, **options: Any) -> Any:
+    """``lc.load`` of a piece into ``like``, which it fits (``piece_misfit``): the template's DTensors are
+    read through their local shards, which is what the piece holds, and come back as DTensors."""
+    if like is None:
+        return load(url, None, **options)
+    structure, leaves = flatten(like)
+    shards = {name: leaf.to_local() for name, leaf in leaves.items() if is_dtensor(leaf)}
+    out = load(url, None, like=unflatten(structure, lambda name, _: shards.get(name, leaves[name])), **options)
+    if not shards:
+        return out
+    structure, got = flatten(out)
+    return unflatten(structure, lambda name, _: _as_dtensor(got[name], leaves[name], shards.get(name)))
+
+
+def _as_dtensor(value: Any, leaf: Any, shard: Any) -> Any:
+    """``value``, loaded for the template ``leaf`` through its local ``shard``, as ``leaf`` is."""
+    if shard is None:
+        return value
+    return leaf if value is shard else from_local(value, leaf, tuple(leaf.shape))

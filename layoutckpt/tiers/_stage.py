@@ -20,7 +20,7 @@ import numpy as np
 from .. import _rankstate
 from ..format._hierarchy import check_user_metadata
 from ..layout._tree import flatten, is_array_leaf
-from ..torch._dtensor import is_dtensor
+from ..torch._dtensor import is_dtensor, sharding_key
 from ..torch._staging import HostBuffers, side_stream
 from ..torch._torch import is_tensor, torch
 from ._local import Piece, leaf_meta, like, piece_meta, same
@@ -156,6 +156,8 @@ def stage(
     # One pool per save: pinned host memory where the state is on a device.
     pool = pool_of(cuda)
     metas = {name: leaf_meta(name, src if is_tensor(src) else leaves[name]) for name, src in sources.items()}
+    if dtensors:  # a restore takes the piece for a DTensor only where it is sharded alike (``piece_misfit``)
+        info = {**info, "dtensors": {name: sharding_key(d) for name, d in dtensors.items()}}
     piece = Piece(piece_meta(metas, structure, step, dict(metadata or {}), info, rank_doc is not None), {}, rank_doc)
     # Ordered here, on the caller's thread: a lazy copy then overlaps the next step's kernels.
     stream = side_stream(sources.values()) if cuda else None

@@ -18,6 +18,7 @@ of shapes, specs and ranks as for any other array.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -168,6 +169,20 @@ def from_local(local: Any, like: Any, shape: tuple[int, ...]) -> Any:
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=shape, stride=tuple(strides)
     )
+
+
+def sharding_key(dt: Any) -> str:
+    """What decides which shard of a DTensor a rank holds, as a short string: its global shape,
+    its mesh's shape and axis names, this rank's place on the mesh, and its placements. Two
+    DTensors with the same key hold the same elements of arrays of the same shape."""
+    mesh = dt.device_mesh
+    return _sharding_key(tuple(dt.shape), mesh, tuple(dt.placements), tuple(mesh.get_coordinate() or ()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharding_key(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], at: tuple[int, ...]) -> str:
+    # A fast tier keys every array of every save: the DeviceMesh and placements hash cheaply.
+    return f"{list(shape)} {dict(zip(_axis_names(mesh), mesh.mesh.shape))} {list(at)} {list(map(str, placements))}"
 
 
 def local_device(like: Any) -> Any:

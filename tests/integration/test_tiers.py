@@ -293,3 +293,100 @@ def test_a_replica_held_for_a_peer_reuses_its_documents_and_buffer_views(ranks, 
     received document and arrays are the previous round's objects where they are the same (no
     new objects for the garbage collector to promote every step)."""
     assert ranks.run(_steady_replicas, 2, uuid.uuid4().hex, os.fspath(tmp_path / "d")) == [(True, True, True)] * 2
+
+
+# --- DTensor states (FSDP2 / tensor parallel) -------------------------------------------------------
+
+
+def _tp_model(seed: int, style: str, group):
+    """A two-layer model whose layers are split over a 2-rank mesh by ``parallelize_module``
+    (``style`` "col": column-wise first layer, trained a step, so AdamW has state; "row": row-wise,
+    as a template only)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()} if style == "col" else {"0": RowwiseParallel()}
+    parallelize_module(model, DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",)), plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if style == "col":
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _locals(state: dict) -> dict:
+    """Every leaf of a ``get_state`` tree as this rank holds it: a DTensor's local shard, copied."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for part in ("model", "optim"):
+        for name, leaf in lc.layout._tree.flatten(state[part])[1].items():
+            if isinstance(leaf, DTensor):
+                leaf = leaf.to_local()
+            out[f"{part}.{name}"] = leaf.detach().clone() if torch.is_tensor(leaf) else leaf
+    return out
+
+
+def _dtensor_tiers(rank, group, durable, local):
+    """Steps 1-3 of a tensor-parallel model saved as DTensors (``get_state``), step 2 persisted;
+    then restores from the fast tier into models sharded alike, and from the durable tier, or a
+    typed error, into one sharded otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    model, opt = _tp_model(0, "col", group)
+    saved = {}
+    with lc.CheckpointManager(durable, local=local, persist_every=2, group=group) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            state = lc.get_state(model, opt)
+            saved[step] = _locals(state)
+            mgr.save(step, state).result()
+        mgr.wait()
+    with lc.CheckpointManager(durable, local=local, persist_every=2, group=group) as mgr:
+        fresh, fresh_opt = _tp_model(1, "col", group)
+        result = mgr.load_state(fresh, fresh_opt)
+        got = _locals(lc.get_state(fresh, fresh_opt))
+        restored = (result.step, mgr.tier_metrics().restored_from)
+        exact = all(same(got[n], v) if torch.is_tensor(v) else got[n] == v for n, v in saved[3].items())
+        template = lc.get_state(*_tp_model(2, "col", group))
+        loaded = mgr.load(like=template)
+        dtensors = all(
+            isinstance(loaded["model"][n], DTensor) and same(loaded["model"][n].to_local(), saved[3][f"model.{n}"])
+            for n in ("0.weight", "1.weight")
+        )
+        filled = mgr.load(like=template, inplace=True)
+        in_place = filled["model"]["0.weight"] is template["model"]["0.weight"] and same(
+            template["model"]["0.weight"].to_local(), saved[3]["model.0.weight"]
+        )
+        # Sharded otherwise: step 3 is on the fast tiers only; step 2 comes from the durable tier.
+        other = lc.get_state(*_tp_model(3, "row", group))
+        try:
+            mgr.load(like=other)
+            refused = None
+        except lc.TemplateMismatchError as err:
+            refused = str(err)
+        resharded = mgr.load(like=other, step=2)
+        full = resharded["model"]["0.weight"].full_tensor()
+        want = torch.cat([d["model.0.weight"] for d in _gathered(saved[2]["model.0.weight"], group)])
+        return restored, exact, dtensors, in_place, refused, mgr.tier_metrics().restored_from, same(full, want)
+
+
+def _gathered(t: torch.Tensor, group) -> list[dict]:
+    import torch.distributed as dist
+
+    out = [None, None]
+    dist.all_gather_object(out, t, group=group)
+    return [{"model.0.weight": x} for x in out]
+
+
+@pytest.mark.parametrize("tier", ["dir", "memory"])
+def test_dtensor_states_restore_from_the_fast_tier_and_reshard_from_the_durable_one(ranks, tmp_path, tier):
+    local = os.fspath(tmp_path / "node{rank}") if tier == "dir" else f"memory://{uuid.uuid4().hex}/{{rank}}"
+    got = ranks.run(_dtensor_tiers, 2, os.fspath(tmp_path / "durable"), local)
+    for restored, exact, dtensors, in_place, refused, source, resharded in got:
+        assert restored == (3, "local") and exact and dtensors and in_place
+        assert refused is not None and "'model.0.weight'" in refused and "step 3" in refused
+        assert source == "durable" and resharded
