@@ -38,7 +38,8 @@ class IOConfig:
     - ``threads``: threads that read or write a local checkpoint's shard files.
     - ``direct_io``: write uncompressed shards of at least ``direct_bytes`` past the page cache
       (``O_DIRECT``) where the file system allows it. It spares the page cache for what training
-      reads, and on hosts slow to hand out page-cache pages it writes faster.
+      reads, and on hosts slow to hand out page-cache pages it writes faster. Such a shard is
+      written in blocks of ``direct_bytes`` rounded up to a multiple of 4 KiB.
     - ``group_bytes``: inner chunks gathered per ``writev`` (small enough to stay in L2 cache).
     - ``read_run_bytes``: adjacent wanted inner chunks fetched by one ``preadv``.
     - ``prefetch_depth``: runs read ahead of the checks in a large read of one shard file.

@@ -449,11 +449,15 @@ class _Direct(_Sink):
     def __init__(self, fd: int, threads: ThreadPoolExecutor, block_bytes: int) -> None:
         self.fd = fd
         self.threads = threads
+        # Whole aligned blocks, whatever ``IOConfig.direct_bytes`` says: every write but the
+        # last then starts and ends on the alignment O_DIRECT asks for.
+        block_bytes = -(-block_bytes // _os.DIRECT_ALIGN) * _os.DIRECT_ALIGN
         self.buffers = [_take_aligned(block_bytes), _take_aligned(block_bytes)]
         self.pending: list[Future[None] | None] = [None, None]
         self.current = 0
         self.fill = 0
         self.offset = 0
+        self.written = 0  # the end of the last write, its padding included
 
     def write(self, parts: list[Any], total: int | None = None) -> None:
         for part in parts:
@@ -488,6 +492,7 @@ class _Direct(_Sink):
         whole = -(-self.fill // _os.DIRECT_ALIGN) * _os.DIRECT_ALIGN
         buffer[self.fill : whole] = 0
         self.pending[self.current] = self.threads.submit(_os.write_direct, self.fd, buffer[:whole], self.offset)
+        self.written = self.offset + whole
         self.offset += self.fill
         self.fill = 0
         self.current ^= 1
@@ -503,7 +508,7 @@ class _Direct(_Sink):
             if waiting is not None:
                 self.pending[i] = None
                 waiting.result()
-        if self.offset % _os.DIRECT_ALIGN:
+        if self.written > self.offset:  # the last block's padding
             os.ftruncate(self.fd, self.offset)
 
     def release(self) -> None:

@@ -115,6 +115,21 @@ def test_a_shard_written_past_the_page_cache_has_the_same_bytes(tmp_path, small_
     assert out.tobytes() == array.tobytes()
 
 
+@pytest.mark.parametrize("elements", [2042, 2000, 3000])
+def test_a_block_size_off_the_alignment_writes_the_same_bytes(tmp_path, small_blocks, elements):
+    """``direct_bytes`` of 5000 is rounded up to whole 4096-byte blocks: 2,042 float32 make a
+    shard of exactly 8,192 bytes (two blocks, nothing to cut back), the others end mid-block."""
+    meta = _meta((elements,), (elements,), (elements,), "float32")
+    array = _array((elements,), "float32")
+    _write_every_shard(tmp_path / "buffered", meta, array)
+    _write_every_shard(tmp_path / "direct", meta, array, lc.IOConfig(direct_bytes=5000))
+    assert len(small_blocks) == (1 if _accepts_direct(tmp_path) else 0)
+    assert _files(tmp_path / "direct") == _files(tmp_path / "buffered")
+    out = np.empty((elements,), np.float32)
+    _shardread.read_box(tmp_path / "direct", meta, ((0, elements),), out)
+    assert out.tobytes() == array.tobytes()
+
+
 def test_gathered_chunks_go_through_the_scratch_buffer_only_across_blocks(tmp_path, monkeypatch):
     """The block sink driven on a plain file (its writes need no O_DIRECT), so that this holds
     on any file system: every chunk is gathered into the blocks at its place but the one that
