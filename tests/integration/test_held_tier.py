@@ -376,6 +376,16 @@ class TestHeldLocation(LocationTests):
             lease.check()
         assert reader.lend("w", meta.arrays["w"], ((0, 8), (0, 8))) is None  # gone: the read reports it
 
+    def test_a_0d_array_is_saved_read_and_lent_as_an_array(self):
+        """A 0-d box is ``()``: it indexes a held array as a 0-d view, not a NumPy scalar, on
+        every path (the write's copy, the read's copy, and the lease a device restore takes)."""
+        url = self.new_url()
+        lc.save(url, {"step": np.array(7.0, np.float32), "n": torch.tensor(3)})
+        assert lc.open(url).read("step") == 7.0 and lc.load(url)["n"].item() == 3
+        meta = _store.read_meta(locate(url))
+        lease = locate(url).box_reader(url, True, lc.IOConfig()).lend("step", meta.arrays["step"], ())
+        assert isinstance(lease.data, np.ndarray) and lease.data.shape == () and lease.data == 7.0
+
     def test_the_box_writer_stores_whole_shards_and_parts_of_shards(self):
         """A whole array and the same array as two parts are held alike; a source that is not
         lent is copied and given back at once."""
