@@ -734,12 +734,17 @@ def _scratch(nbytes: int) -> np.ndarray:
 
 
 def check_binding(meta: ArrayMeta, key: str, cell: Sequence[int], tail: bytes) -> None:
-    """Where ``meta`` is bound to a save, the shard's ``tail`` (its last bytes, the binding block
-    first) must begin with the block that binds it to that save, the array's path and ``cell``."""
+    """Where ``meta`` is bound to a save, the shard's ``tail`` (its last bytes: the binding block,
+    then the index) must begin with the block that binds it to that save, the array's path and
+    ``cell``."""
     if meta.bound_to is None:
         return
     found = bytes(tail[:BINDING_BYTES])
     if found != binding(meta.bound_to, meta.path, cell):
+        table = tail[BINDING_BYTES:]
+        if crc32c.crc32c(table[:-4]) != int.from_bytes(table[-4:], "little"):
+            # The end of the file is not a shard's: cut short or overwritten, not moved.
+            raise Damaged(False, f"shard {key} is cut short or damaged: its index fails its crc32c")
         named = found.startswith(BINDING_MAGIC)
         why = "its binding block names another save, array or cell" if named else "it holds no binding block"
         raise Damaged(False, misplaced(key, why))

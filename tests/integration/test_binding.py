@@ -204,6 +204,18 @@ def test_a_shard_too_short_for_its_block_is_refused(tmp_path, where):
         lc.load(url)
 
 
+@pytest.mark.parametrize("where", ["files", "memory", "packed"])
+def test_a_shard_cut_short_is_damaged_not_misplaced(tmp_path, where):
+    """A shard that lost its last bytes (an interrupted copy) ends in no binding block, but it
+    was not moved: its index, read from the wrong place, fails its checksum, and the error says so."""
+    url, (read, write) = _place(tmp_path, where)
+    key = "a/c.0.0" if where == "packed" else "a/c.1.0"
+    write(key, read(key)[:-3])
+    with pytest.raises(lc.IntegrityError, match=r"array 'a'.*(cut short|crc32c)") as raised:
+        lc.load(url)
+    assert MISPLACED not in str(raised.value)
+
+
 def test_an_export_keeps_the_binding(tmp_path):
     packed = save(tmp_path / "packed", packing="ocdbt")
     plain = tmp_path / "plain"
