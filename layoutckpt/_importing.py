@@ -12,7 +12,7 @@ from .base._errors import LayoutError
 from .base._version import __version__
 from .format._dtypes import numpy_dtype
 from .format._format import COMPRESSIONS, ArrayMeta, CheckpointMeta
-from .format._hierarchy import check_user_metadata
+from .format._hierarchy import user_metadata
 from .layout import _plan
 from .layout._layout import Layout
 from .layout._spec import P, check_spec
@@ -31,7 +31,7 @@ def check_options(
         raise TypeError(f"step must be an int or None, got {step!r}")
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-    check_user_metadata(metadata)
+    user_metadata(metadata)
     return layout
 
 
@@ -61,7 +61,7 @@ def checkpoint_meta(
         mesh=layout.mesh,
         rules=layout.spec_rules,
         step=step,
-        user_metadata=dict(metadata or {}),
+        user_metadata=user_metadata(metadata),
         library_version=__version__,
         all_chunks_stored=True,
     )

@@ -37,7 +37,7 @@ from .base._options import SaveAsyncKeywords, SaveKeywords, SaveOptions, options
 from .base._version import __version__
 from .format import _hierarchy as hierarchy
 from .format._format import ArrayMeta, CheckpointMeta
-from .format._hierarchy import check_user_metadata
+from .format._hierarchy import user_metadata
 from .layout import _flat, _plan
 from .layout._flat import Flat
 from .layout._layout import Layout
@@ -213,6 +213,7 @@ class _Checked:
     nodes: dict[str, Any] | None = None
     holders: list[tuple[tuple[int, ...], ...]] | None = None
     flat_holders: list[tuple[tuple[int, ...], ...]] | None = None
+    metadata: dict[str, Any] = attrs.field(factory=dict)  # the user's, as of the call
 
 
 def _check_locally(
@@ -243,7 +244,7 @@ def _check_locally(
             structure = expand_flats(structure, flats)
         if flats:
             check_no_prefix_clash((*(a.name for a in arrays), *(n for f, spec in flats for n in flat_names(f, spec))))
-        check_user_metadata(options.metadata)
+        metadata = user_metadata(options.metadata)
         rank_doc = None
         if options.rank_state is not None:
             rank_doc = _rankstate.document(options.rank_state, comm.rank, comm.world)
@@ -255,7 +256,7 @@ def _check_locally(
             final.prepare()
     except Exception as err:  # noqa: BLE001 - re-raised by agree() on every rank
         return _Checked(mesh, error=err)
-    return _Checked(mesh, structure, arrays, shardings, flats, rank_doc, nodes=nodes)
+    return _Checked(mesh, structure, arrays, shardings, flats, rank_doc, nodes=nodes, metadata=metadata)
 
 
 def _shardings(
@@ -395,7 +396,7 @@ def _job(
         mesh=checked.mesh,
         rules=layout.spec_rules if layout is not None else (),
         step=options.step,
-        user_metadata=dict(options.metadata or {}),
+        user_metadata=checked.metadata,
         library_version=__version__,
         rank_state_world=comm.world if checked.rank_doc is not None else None,
         all_chunks_stored=True,

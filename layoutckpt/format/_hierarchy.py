@@ -19,15 +19,17 @@ from ._format import ArrayMeta, CheckpointMeta, group_document
 RANK_STATE_DIR = ".rank_state"
 
 
-def check_user_metadata(metadata: Mapping[str, Any] | None) -> None:
-    """User metadata is stored as strict JSON in the commit marker: check it before writing."""
+def user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """User metadata as it is stored, strict JSON in the commit marker: checked, and copied as
+    of this call (a save commits later, and a caller may change its dict meanwhile)."""
     if metadata is None:
-        return
+        return {}
     if not isinstance(metadata, Mapping):
         raise TypeError(f"metadata= must be a dict of JSON values, got {type(metadata).__name__}")
+    out = {}
     for key, value in metadata.items():
         try:
-            json.dumps({key: value}, allow_nan=False)
+            out[key] = json.loads(json.dumps(value, allow_nan=False))
         except (TypeError, ValueError) as err:
             raise TypeError(
                 f"metadata[{key!r}] cannot be stored as JSON ({err}); use str/int/float/bool/None, "
@@ -35,6 +37,7 @@ def check_user_metadata(metadata: Mapping[str, Any] | None) -> None:
             ) from None
         if not isinstance(key, str):
             raise TypeError(f"metadata key {key!r} must be a str")
+    return out
 
 
 def documents(meta: CheckpointMeta, rank: int = 0, world: int = 1) -> Iterator[tuple[str, bytes]]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 
+from .. import _rankstate
 from .._save import SaveResult
 from ..base._errors import PersistError, PersistWarning, SaveError
 from ..base._futures import SaveFuture
@@ -141,13 +142,15 @@ class Tiers:
         if error is not None:
             self._skip_replica_round()
             raise error
+        # A persist runs saves later: it stores the metadata and rank_state as of this call.
+        doc = staging.piece.rank_doc
         job = _Job(
             step,
             staging,
             SaveFuture(self.tier.piece(step).url),
             layout,
-            metadata,
-            rank_state,
+            staging.metadata,
+            None if doc is None else _rankstate.parse(doc, "rank_state"),
             persist=decision == "start",
         )
         if decision == "pend":

@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from .. import _rankstate
-from ..format._hierarchy import check_user_metadata
+from ..format._hierarchy import user_metadata
 from ..layout._tree import flatten, is_array_leaf
 from ..torch._dtensor import is_dtensor, sharding_key
 from ..torch._staging import HostBuffers, side_stream
@@ -52,6 +52,7 @@ class Staging:
     holds: int = 1
     event: Any = None  # a CUDA event: the device copies are done once it has passed
     values: dict[str, Any] = attrs.field(factory=dict)  # the state's JSON leaves, as given
+    metadata: dict[str, Any] = attrs.field(factory=dict)  # the user's, as of the save (what a persist stores)
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def hold(self) -> None:
@@ -134,7 +135,7 @@ def stage(
     """Check ``state`` and describe its piece; ``Staging.copy`` copies it. Bad input (a leaf
     that cannot be stored, metadata that is not JSON) raises here. ``last`` is the previous
     save's structure and JSON leaves, whose parts are kept where this one's are equal (``like``)."""
-    check_user_metadata(metadata)
+    metadata = user_metadata(metadata)
     structure, leaves = flatten(state)
     rank_doc = _rankstate.document(rank_state, 0, 1) if rank_state is not None else None
     sources, dtensors, values = {}, {}, {}
@@ -158,10 +159,10 @@ def stage(
     metas = {name: leaf_meta(name, src if is_tensor(src) else leaves[name]) for name, src in sources.items()}
     if dtensors:  # a restore takes the piece for a DTensor only where it is sharded alike (``piece_misfit``)
         info = {**info, "dtensors": {name: sharding_key(d) for name, d in dtensors.items()}}
-    piece = Piece(piece_meta(metas, structure, step, dict(metadata or {}), info, rank_doc is not None), {}, rank_doc)
+    piece = Piece(piece_meta(metas, structure, step, metadata, info, rank_doc is not None), {}, rank_doc)
     # Ordered here, on the caller's thread: a lazy copy then overlaps the next step's kernels.
     stream = side_stream(sources.values()) if cuda else None
-    return Staging(piece, leaves, structure, dtensors, sources, pool, stream, values=values)
+    return Staging(piece, leaves, structure, dtensors, sources, pool, stream, values=values, metadata=metadata)
 
 
 def _like_last(structure: Any, values: dict[str, Any], last: Tree | None) -> Any:

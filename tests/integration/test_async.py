@@ -117,7 +117,9 @@ def distinct_boxes() -> int:
 
 def _save_then_overwrite(rank, group, path, lazy):
     state = local_state(rank)
-    fut = lc.save_async(path, state, LAYOUT, group=group, lazy=lazy, metadata={"lazy": lazy})
+    metadata = {"lazy": lazy, "losses": [1.0]}
+    fut = lc.save_async(path, state, LAYOUT, group=group, lazy=lazy, metadata=metadata)
+    metadata["losses"].append(float("nan"))  # the loop's own dict goes on: the save keeps the call's
     assert isinstance(fut, lc.SaveFuture)
     if lazy:
         fut.wait_staged()
@@ -133,7 +135,7 @@ def test_mutating_right_after_the_call_does_not_change_the_checkpoint(ranks, tmp
     path = tmp_path / "ck"
     results = ranks.run(_save_then_overwrite, 4, str(path), lazy)
     assert_full_state(path)
-    assert lc.open(path).metadata == {"lazy": lazy}
+    assert lc.open(path).metadata == {"lazy": lazy, "losses": [1.0]}
     # Every box is written once, by one rank; an async save stages exactly what it writes.
     assert sum(r.bytes_written for r in results) == total_bytes(full_state())
     assert sum(r.arrays_written for r in results) == distinct_boxes()

@@ -89,6 +89,22 @@ def test_every_step_local_some_persisted_and_restored_bit_exact(tmp_path):
         assert_local(mgr.load(layout), 9, 0, 1)
 
 
+def test_a_persist_stores_the_metadata_and_rank_state_of_its_save(tmp_path):
+    """A persist starts saves later, from the host copy: what it stores of ``metadata`` and
+    ``rank_state`` is what they were at the save's call, whatever the loop changed since."""
+    durable = tmp_path / "durable"
+    with lc.CheckpointManager(durable, local=tmp_path / "local" / "{rank}", persist_every=2) as mgr:
+        metadata, position = {"losses": [1.0]}, {"seen": [10]}
+        for step in (1, 2, 3):
+            mgr.save(step, local_state(step, 0, 1), lc.Layout.replicated(), metadata=metadata, rank_state=position)
+            metadata["losses"].append(float(step + 1))
+            position["seen"].append(10 * (step + 1))
+        mgr.wait()
+        assert mgr.steps() == [2]
+    assert lc.open(durable / "step_00000002").metadata == {"losses": [1.0, 2.0]}
+    assert lc.load_rank_state(durable / "step_00000002") == {"seen": [10, 20]}
+
+
 @pytest.mark.parametrize("local", ["memory://tiers-json-{uuid}", "dir"])
 def test_json_leaves_equal_to_the_last_steps_but_in_type_or_sign_come_back_as_saved(tmp_path, local):
     """A save reuses the last save's structure where it is the same: ``True`` then ``1``,
