@@ -344,9 +344,11 @@ class CheckpointManager:
         result = self._last.result() if self._last is not None else None
         if self._tiers is not None:
             result = self._tiers.wait()  # raises PersistError if the latest persist failed
-        for f in self._retiring:
-            f.result()
-        self._retiring = [f for f in self._retiring if not f.done()]
+        # Each retention failure is raised once: a loop that calls wait() goes on after it.
+        retiring, self._retiring = self._retiring, []
+        failed = next((err for err in (f.exception() for f in retiring) if err is not None), None)
+        if failed is not None:
+            raise failed
         return result
 
     def close(self) -> None:

@@ -156,6 +156,30 @@ def test_a_long_run_keeps_no_record_of_retention_that_ended_well(tmp_path):
         assert mgr.steps() == [20]
 
 
+def test_a_retention_failure_is_raised_once_and_retention_goes_on(tmp_path, monkeypatch):
+    """A delete that fails once (a transient EIO) is raised by the next wait(); later waits and
+    close() report later work, and the next retention deletes what this one left."""
+    real, calls = _manager.retire_step, []
+
+    def flaky(loc, step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise OSError(5, "transient EIO while deleting")
+        real(loc, step)
+
+    monkeypatch.setattr(_manager, "retire_step", flaky)
+    mgr = lc.CheckpointManager(tmp_path / "run", keep_last=1)
+    for s in (1, 2):
+        mgr.save(s, state_of(s), LAYOUT).result()
+    with pytest.raises(OSError, match="transient EIO"):
+        mgr.wait()
+    for s in (3, 4):
+        mgr.save(s, state_of(s), LAYOUT)
+        mgr.wait()
+    assert mgr.steps() == [4]
+    mgr.close()
+
+
 @pytest.mark.parametrize(
     ("keep_last", "keep_every", "saved"), [(1, None, [1, 2, 3]), (1, 2, [1, 2, 3, 4, 5]), (1, 10, [3, 7])]
 )
