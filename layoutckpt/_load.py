@@ -309,6 +309,8 @@ def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options:
     wanted = template if options.like is not None else dict(leaf_nodes(structure))
     keep = _selector(options.select, list(wanted))
     names = [n for n in wanted if keep is None or n in keep]
+    if options.inplace:
+        _check_fillable(template, names)
     targets, flats, composites, holders = _targets(names, template, meta, target_layout, layout, comm, global_names)
     return _LoadPlan(structure, template, keep, targets, flats, options, composites, holders)
 
@@ -409,6 +411,11 @@ def _targets(
             continue
         stored = _stored_name(gname, stored_leaves)
         if stored is None:
+            if target is not None and is_array_leaf(target) and gname in stored_leaves:
+                raise TemplateMismatchError(
+                    f"leaf {name!r}: the template holds an array there, but the checkpoint stores a plain "
+                    "value (saved as a Python number or string); put a plain value in the template"
+                )
             continue
         a = meta.arrays[stored]
         if is_dtensor(target):
@@ -731,6 +738,20 @@ def _stored_name(name: str, stored_leaves: dict[str, Any]) -> str | None:
     """The stored array a tree name reads (itself, or the array it is tied to); None for values."""
     node = stored_leaves.get(name)
     return node.get("array") if isinstance(node, dict) else None
+
+
+def _check_fillable(template: dict[str, Any], names: list[str]) -> None:
+    """``inplace=True`` copies into the template's tensors: a tensor on the meta device has no
+    memory to take the bytes, and the load would return it empty."""
+    for name in names:
+        target = template.get(name)
+        local = target.to_local() if is_dtensor(target) else target
+        if is_tensor(local) and local.device.type == "meta":
+            raise TemplateMismatchError(
+                f"array {name!r}: inplace=True copies into the template's tensors, but this one is on the "
+                "meta device and has no memory; load without inplace (a meta template then gives the "
+                "loaded tensors), or materialize the template first (e.g. model.to_empty(device=...))"
+            )
 
 
 def _check_global(name: str, target: Any, a: ArrayMeta) -> None:

@@ -6,6 +6,7 @@ contiguous, a NumPy array); the result is the template's objects, their memory u
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import layoutckpt as lc
@@ -34,3 +35,20 @@ def test_an_inplace_load_fills_every_leaf_of_the_template_once_read(tmp_path):
     assert torch.equal(out["w"], w) and torch.equal(out["tied"], w)
     assert torch.equal(holder, saved["t"].t())
     assert np.array_equal(out["n"], np.arange(5.0))
+
+
+def test_a_template_that_cannot_take_the_bytes_is_refused_before_any_read(tmp_path):
+    """A meta tensor has no memory to fill, and a tensor cannot take a stored plain value: both
+    are typed errors naming the leaf, not a load that returns the template unfilled."""
+    lc.save(tmp_path / "c", {"w": torch.arange(6.0).reshape(2, 3), "step": 7})
+    with pytest.raises(lc.TemplateMismatchError, match=r"array 'w'.*meta device"):
+        lc.load(tmp_path / "c", like={"w": torch.empty(2, 3, device="meta"), "step": 0}, inplace=True)
+    # Without inplace a meta template gives the loaded tensors.
+    assert torch.equal(
+        lc.load(tmp_path / "c", like={"w": torch.empty(2, 3, device="meta"), "step": 0})["w"],
+        torch.arange(6.0).reshape(2, 3),
+    )
+    step = torch.zeros((), dtype=torch.int64)
+    for inplace in (False, True):
+        with pytest.raises(lc.TemplateMismatchError, match=r"leaf 'step'.*plain value"):
+            lc.load(tmp_path / "c", like={"w": torch.zeros(2, 3), "step": step}, inplace=inplace)
