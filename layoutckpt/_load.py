@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from . import _rankstate, _shared_reads
-from ._pieces import uses_views
+from ._pieces import padded_shard_shape, uses_views
 from .base._arguments import check_load_arguments
 from .base._errors import TemplateMismatchError
 from .base._futures import LoadFuture
@@ -404,6 +404,8 @@ def _targets(
             continue
         rule = layout.rule_for(gname) if user_layout is not None and target is not None else None
         view = rule[1] if rule is not None else None
+        if isinstance(view, Fused) and gname in stored_leaves:
+            view = None  # saved without its Fused rule: read as the one array it is (``_stored_of``)
         if isinstance(view, Fused | Padded) and not is_dtensor(target):
             composites[name] = c = _plan_view(gname, view, target, meta, layout.mesh, comm.rank)
             decides = f"{view!r} {tuple(target.shape)}"  # the template's shape cuts the parts
@@ -440,10 +442,11 @@ def _stored_spec(layout: Layout | None, name: str) -> P:
         return P()
     head, dot, last = name.rpartition(".")
     fused, _, part = head.rpartition(".")
-    if dot and fused:
-        rule = layout.rule_for(f"{fused}.{last}")
-        if rule is not None and isinstance(rule[1], Fused) and part in dict(rule[1].parts):
-            return rule[1].spec
+    # ``part_name``'s two forms: ``a.qkv.q.weight`` is part q of ``a.qkv.weight``, ``qkv.q`` of ``qkv``.
+    whole, part = (f"{fused}.{last}", part) if fused else (head, last)
+    rule = layout.rule_for(whole) if dot else None
+    if rule is not None and isinstance(rule[1], Fused) and part in dict(rule[1].parts):
+        return rule[1].spec
     spec = layout.spec_for(name)
     return spec.spec if isinstance(spec, Fused | Padded) else spec  # type: ignore[return-value]
 
@@ -463,7 +466,7 @@ def _plan_view(name: str, view: Fused | Padded, target: Any, meta: CheckpointMet
     for stored, cut in cuts:
         a = meta.arrays[stored]
         check_spec(view.spec, mesh, len(a.shape), stored, a.shape)
-        shard = None if isinstance(view, Fused) else (*a.shape[: cut.dim], rows, *a.shape[cut.dim + 1 :])
+        shard = None if isinstance(view, Fused) else padded_shard_shape(a.shape, view.spec, mesh, cut.dim, rows)
         box = _plan.shard_box(a.shape, view.spec, mesh, rank, shard)
         piece = (*shape[: cut.dim], cut.groups * cut.width, *shape[cut.dim + 1 :])
         if _plan.box_shape(box) != piece:

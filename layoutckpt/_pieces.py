@@ -144,7 +144,12 @@ def padded_shard(piece: Piece, shape: tuple[int, ...], spec: P, mesh: Mesh) -> t
     dimension), None for any other array."""
     if piece.pad is None:
         return None
-    dim, rows = piece.pad
+    return padded_shard_shape(shape, spec, mesh, *piece.pad)
+
+
+def padded_shard_shape(shape: tuple[int, ...], spec: P, mesh: Mesh, dim: int, rows: int) -> tuple[int, ...]:
+    """The shard shape of a padded array of ``shape``: ``rows`` (the padded rows of a piece)
+    along ``dim``, as ``spec`` splits it along the others."""
     shard = list(shard_shape(shape, spec, mesh))
     # Pieces as long as the array (one rank holds it all) make a grid of one shard of it.
     shard[dim] = max(1, min(rows, shape[dim]))
