@@ -104,8 +104,15 @@ class Layout:
         for axis in self.stages:
             if axis not in self.mesh.axis_names:
                 raise LayoutError(f"stages names axis {axis!r}, which {self.mesh!r} does not have")
+        staged = self.stage_axes
         for pattern, spec in self.rules:
             for j, axis in enumerate(spec.axes):
+                if axis in staged:
+                    raise LayoutError(
+                        f"Layout rule {pattern!r}: spec {spec!r} splits arrays over {axis!r}, along which the "
+                        "ranks hold different arrays (a stage axis: stages= or a Renumber rule); leave it out "
+                        "of the spec, or out of the stage axes"
+                    )
                 if axis in spec.axes[:j]:
                     raise LayoutError(
                         f"Layout rule {pattern!r}: spec {spec!r} uses axis {axis!r} twice; "

@@ -110,3 +110,10 @@ def test_a_flat_axis_named_twice_is_refused_by_the_layout():
     flat = lc.Flat([("a", (4,))], ("dp", "dp"))
     with pytest.raises(lc.LayoutError, match=r"Layout rule 'buf': .* uses axis 'dp' twice"):
         lc.Layout(lc.Mesh({"dp": 2}), [("buf", flat)])
+
+
+@pytest.mark.parametrize("stages", [{"stages": "pp"}, {"names": [lc.Renumber(r"^layers\.(\d+)\.", "pp", per=2)]}])
+def test_a_spec_over_a_stage_axis_is_refused_by_the_layout(stages):
+    """Along a stage axis the ranks hold different arrays: none is split over it."""
+    with pytest.raises(lc.LayoutError, match=r"Layout rule '\.\*': spec P\('pp'\) splits arrays over 'pp'"):
+        lc.Layout(lc.Mesh({"pp": 2, "tp": 2}), [(r".*", lc.P("pp"))], **stages)
