@@ -86,17 +86,19 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
 def write_direct(fd: int, buffer: np.ndarray, offset: int) -> None:
     """Write all of ``buffer`` (aligned, a whole number of blocks) at ``offset`` of the file
     ``fd``; where the file system refuses it past the page cache, through the page cache."""
-    try:
-        done = os.pwrite(fd, buffer, offset)
-    except OSError as err:
-        if err.errno != errno.EINVAL:
-            raise
-        # The file system took O_DIRECT at open but not these writes (its blocks are larger,
-        # or it wants no O_DIRECT at all): go on through the page cache.
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-        done = os.pwrite(fd, buffer, offset)
+    done, cleared = 0, False
     while done < len(buffer):
-        more = os.pwrite(fd, buffer[done:], offset + done)
+        try:
+            more = os.pwrite(fd, buffer[done:], offset + done)
+        except OSError as err:
+            if err.errno != errno.EINVAL or cleared:
+                raise
+            # The file system took O_DIRECT at open but not this write (its blocks are larger,
+            # it wants no O_DIRECT at all, or a short write left the rest unaligned): go on
+            # through the page cache. (Another block's thread may have cleared it already.)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            cleared = True
+            continue
         if more == 0:
             raise OSError(errno.EIO, f"a write at byte {offset + done} of a shard file wrote nothing")
         done += more

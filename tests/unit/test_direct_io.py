@@ -212,6 +212,28 @@ def test_a_write_that_o_direct_refuses_goes_on_through_the_page_cache(tmp_path, 
     assert _files(tmp_path / "refused") == _files(tmp_path / "buffered")
 
 
+def test_a_short_write_past_the_page_cache_goes_on_through_it(tmp_path, small_blocks, monkeypatch):
+    """A write past the page cache that returns short leaves the rest unaligned, which O_DIRECT
+    refuses: the rest goes through the page cache, and the file has the same bytes."""
+    real = os.pwrite
+    shorts = []
+
+    def short(fd, data, offset):
+        if _os.is_direct(fd) and offset == BLOCK and len(data) == BLOCK:  # the second block's write
+            real(fd, data[:4096], offset)
+            shorts.append(offset)
+            return 1000  # as if the write stopped there: the next one starts unaligned
+        return real(fd, data, offset)
+
+    meta = _meta(*CASES[0])
+    array = _array(CASES[0][0], CASES[0][3])
+    _write_every_shard(tmp_path / "buffered", meta, array)
+    monkeypatch.setattr(_os.os, "pwrite", short)
+    _write_every_shard(tmp_path / "short", meta, array, DIRECT)
+    assert len(shorts) == (2 if _accepts_direct(tmp_path) else 0)  # one per shard file
+    assert _files(tmp_path / "short") == _files(tmp_path / "buffered")
+
+
 def test_a_failed_write_raises_and_gives_its_buffers_back(tmp_path, small_blocks, monkeypatch):
     real_pwrite, real_writev = os.pwrite, os.writev
     calls = []
