@@ -278,6 +278,9 @@ class LocalDir(Location):
         # then the whole directory renamed into place (``_commit.publish``).
         _faults.point("commit.marker", staging=staging.url, final=self.url)
         _os.write_file(staging.root / MARKER, marker)
+        # The marker's name too, before the rename: else a power loss could keep the renamed
+        # directory without it, a complete checkpoint that reads as never committed.
+        _os.fsync_dir(staging.root)
         _commit.publish(staging.root, self.root, overwrite=overwrite)
 
     def retire(self) -> None:
