@@ -122,6 +122,7 @@ class CheckpointManager:
         self._last: SaveFuture | None = None
         self._retention: concurrent.futures.ThreadPoolExecutor | None = None
         self._retiring: list[concurrent.futures.Future[None]] = []
+        self._newest: int | None = None  # the newest step of the run, known from the first save on
 
         # Rank 0 takes the lock and cleans up; every rank learns whether it could.
         status = b""
@@ -288,6 +289,7 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        self._check_order(step)
         if self._tiers is not None:
             lazy = bool(options.pop("lazy", self._defaults.lazy))
             _options(self._defaults, options)  # unknown keywords raise as without tiers
@@ -304,6 +306,42 @@ class CheckpointManager:
             # Queued now (so wait() sees it), run once this save has committed.
             self._retire_later(fut)
         return fut
+
+    def _check_order(self, step: int) -> None:
+        """Refuse a step older than the run's newest: a restart resumes from the newest step
+        and retention keeps the highest ones, so after a rollback the abandoned newer steps
+        would outlive every new save. The newest is the durable tier's, listed at the first save
+        (every rank lists the same), then the saves'. A fast tier's own steps are left out: they
+        may differ from rank to rank, and every rank must decide alike."""
+        if self._newest is None:
+            self._newest = max(self.steps(), default=-1)
+        if step < self._newest:
+            raise ValueError(
+                f"step {step} is older than step {self._newest}, which this run has saved: a restart resumes "
+                "from the newest step, and retention keeps the highest. To go on from an older step (a "
+                "rollback), first delete the newer ones on every rank: "
+                f"mgr.delete(*[s for s in mgr.steps() + mgr.local_steps() if s > {step}])"
+            )
+        self._newest = step
+
+    def delete(self, *steps: int) -> None:
+        """Delete ``steps`` from every tier: what a rollback needs before saving older steps again.
+
+        Waits for the saves and retention in flight first. Every rank calls it: rank 0 deletes
+        the durable checkpoints, each rank its fast tier's pieces (and the replicas it holds)."""
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+            raise TypeError(f"delete() takes step numbers (ints), got {steps!r}")
+        self.wait()
+        if self._comm.rank == 0:
+            for step in set(steps) & set(self.steps()):
+                retire_step(self._loc, step)
+        if self._tiers is not None:
+            tier = self._tiers.tier
+            for src in [None, *tier.replica_sources()]:
+                for step in set(steps) & set(committed_steps(tier.where(src))):
+                    retire_step(tier.where(src), step)
+        self._comm.all_reduce([0], "max")  # no rank lists the steps before every rank is done
+        self._newest = None
 
     def _persist(self, step: int, state: Any, layout: Layout | None, metadata: Any, rank_state: Any) -> SaveFuture:
         """The durable tier's save of a fast-tier step: an ordinary async save written straight

@@ -156,6 +156,28 @@ def test_a_long_run_keeps_no_record_of_retention_that_ended_well(tmp_path):
         assert mgr.steps() == [20]
 
 
+def test_a_rollback_deletes_the_newer_steps_before_saving_older_ones(tmp_path):
+    """After a rollback the abandoned newer steps would stay the newest: a restart would resume
+    from them, and retention would keep them over every new save. Saving an older step is
+    refused until they are deleted, also by a manager made later on the same root."""
+    with lc.CheckpointManager(tmp_path / "run", keep_last=2) as mgr:
+        for s in (100, 200, 300):
+            mgr.save(s, state_of(s), LAYOUT)
+        mgr.wait()
+        with pytest.raises(ValueError, match=r"step 210 is older than step 300.*mgr\.delete"):
+            mgr.save(210, state_of(210), LAYOUT)
+        mgr.delete(300)
+        assert mgr.steps() == [200]
+        mgr.save(210, state_of(210), LAYOUT)
+        mgr.wait()
+        assert mgr.steps() == [200, 210] and mgr.latest_step() == 210
+    with lc.CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(ValueError, match="step 205 is older than step 210"):
+            mgr.save(205, state_of(205), LAYOUT)
+        with pytest.raises(TypeError, match="step numbers"):
+            mgr.delete("210")
+
+
 def test_a_retention_failure_is_raised_once_and_retention_goes_on(tmp_path, monkeypatch):
     """A delete that fails once (a transient EIO) is raised by the next wait(); later waits and
     close() report later work, and the next retention deletes what this one left."""

@@ -89,6 +89,24 @@ def test_every_step_local_some_persisted_and_restored_bit_exact(tmp_path):
         assert_local(mgr.load(layout), 9, 0, 1)
 
 
+def test_a_rollback_deletes_the_newer_steps_from_both_tiers(tmp_path):
+    durable, local = tmp_path / "durable", tmp_path / "local" / "{rank}"
+    layout = lc.Layout.replicated()
+    with lc.CheckpointManager(durable, local=local, persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, local_state(step, 0, 1), layout)
+        mgr.wait()
+        assert (mgr.steps(), mgr.local_steps()) == ([2], [2, 3])
+        with pytest.raises(ValueError, match="step 2 is older than step 3"):
+            mgr.save(2, local_state(2, 0, 1), layout)
+        mgr.delete(2, 3)
+        assert (mgr.steps(), mgr.local_steps()) == ([], [])
+        mgr.save(2, local_state(20, 0, 1), layout)  # the run, rolled back to step 1, saves step 2 again
+        mgr.wait()
+        assert mgr.latest_step() == 2
+        assert_local(mgr.load(layout), 20, 0, 1)
+
+
 def test_a_persist_stores_the_metadata_and_rank_state_of_its_save(tmp_path):
     """A persist starts saves later, from the host copy: what it stores of ``metadata`` and
     ``rank_state`` is what they were at the save's call, whatever the loop changed since."""
