@@ -199,17 +199,12 @@ def test_a_write_that_o_direct_refuses_goes_on_through_the_page_cache(tmp_path, 
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, data, offset)
 
-    meta = _meta(*CASES[0])
-    array = _array(CASES[0][0], CASES[0][3])
-    _write_every_shard(tmp_path / "buffered", meta, array)
-    monkeypatch.setattr(_os.os, "pwrite", picky)
-    _write_every_shard(tmp_path / "refused", meta, array, DIRECT)
+    assert _same_through(tmp_path, monkeypatch, picky)
     files = 2 if _accepts_direct(tmp_path) else 0
     # Refused once per file, then no more O_DIRECT; twice where its two blocks were in flight
     # together before the first refusal cleared the flag.
     assert len(small_blocks) == files and files <= len(refused) <= 2 * files
     assert refused.count(0) == files
-    assert _files(tmp_path / "refused") == _files(tmp_path / "buffered")
 
 
 def test_a_short_write_past_the_page_cache_goes_on_through_it(tmp_path, small_blocks, monkeypatch):
@@ -225,13 +220,19 @@ def test_a_short_write_past_the_page_cache_goes_on_through_it(tmp_path, small_bl
             return 1000  # as if the write stopped there: the next one starts unaligned
         return real(fd, data, offset)
 
+    assert _same_through(tmp_path, monkeypatch, short)
+    assert len(shorts) == (2 if _accepts_direct(tmp_path) else 0)  # one per shard file
+
+
+def _same_through(tmp_path, monkeypatch, pwrite) -> bool:
+    """Whether ``CASES[0]`` written with ``DIRECT`` through the fake ``pwrite`` has the bytes it
+    has written through the page cache."""
     meta = _meta(*CASES[0])
     array = _array(CASES[0][0], CASES[0][3])
     _write_every_shard(tmp_path / "buffered", meta, array)
-    monkeypatch.setattr(_os.os, "pwrite", short)
-    _write_every_shard(tmp_path / "short", meta, array, DIRECT)
-    assert len(shorts) == (2 if _accepts_direct(tmp_path) else 0)  # one per shard file
-    assert _files(tmp_path / "short") == _files(tmp_path / "buffered")
+    monkeypatch.setattr(_os.os, "pwrite", pwrite)
+    _write_every_shard(tmp_path / "direct", meta, array, DIRECT)
+    return _files(tmp_path / "direct") == _files(tmp_path / "buffered")
 
 
 def test_a_failed_write_raises_and_gives_its_buffers_back(tmp_path, small_blocks, monkeypatch):
