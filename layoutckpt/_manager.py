@@ -294,11 +294,13 @@ class CheckpointManager:
             lazy = bool(options.pop("lazy", self._defaults.lazy))
             _options(self._defaults, options)  # unknown keywords raise as without tiers
             fut = self._tiers.save(step, state, layout, metadata=metadata, rank_state=rank_state, lazy=lazy)
+            self._newest = step  # a save refused for its input does not move the run on
             if not self.async_save:
                 fut.result()
             return fut
         mine = dict(step=step, metadata=metadata, rank_state=rank_state, overwrite=overwrite)
         fut = start(self.path(step), state, layout, _options(self._defaults, {**options, **mine}), copy=self.async_save)
+        self._newest = step
         if not self.async_save:
             fut.result()  # a synchronous save raises its failure here
         self._last = fut
@@ -322,7 +324,6 @@ class CheckpointManager:
                 "rollback), first delete the newer ones on every rank: "
                 f"mgr.delete(*[s for s in mgr.steps() + mgr.local_steps() if s > {step}])"
             )
-        self._newest = step
 
     def delete(self, *steps: int) -> None:
         """Delete ``steps`` from every tier: what a rollback needs before saving older steps again.
