@@ -73,7 +73,8 @@ def read_box(rd: Reader, name: str, box: Box, bar: Any) -> np.ndarray:
     out = np.empty(box_shape(box), dtype=rd.info(name).dtype)
     origin = [lo for lo, _ in box]
     pieces = [
-        BoxRead(stored, a, piece, out[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(piece, origin))])
+        # The trailing ``...`` keeps a 0-d array's box ``()`` a view (``out[()]`` is a scalar).
+        BoxRead(stored, a, piece, out[(*(slice(lo - o, hi - o) for (lo, hi), o in zip(piece, origin)), ...)])
         for piece in _readplan.read_pieces(a, box)
     ]
     for r, _ in rd.read_boxes(pieces):

@@ -216,6 +216,16 @@ def test_read_saves_and_prints_bit_for_bit(capsys, tmp_path, small):
     assert run(capsys, "read", path, "lr")[1] == '"nan"\n'
 
 
+@pytest.mark.parametrize("packing", ["files", "ocdbt"])
+def test_read_of_a_0d_array_prints_and_saves_it(capsys, tmp_path, packing):
+    path = tmp_path / "ck"
+    lc.save(path, {"z": np.int16(4), "w": np.ones(3, np.float32)}, packing=packing)
+    code, stdout, _ = run(capsys, "read", path, "z")
+    assert code == 0 and stdout == "z: int16 ()\n" + repr(np.array(4, np.int16)) + "\n"
+    code, _, _ = run(capsys, "read", path, "z", "--out", tmp_path / "z.npy")
+    assert code == 0 and np.load(tmp_path / "z.npy") == np.int16(4)
+
+
 def test_read_of_a_sharded_array_crosses_shards(capsys, tmp_path, sharded):
     path, arrays = sharded
     out = tmp_path / "c.npy"
