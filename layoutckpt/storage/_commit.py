@@ -99,5 +99,9 @@ def retire(path: Path) -> bool:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove ``path`` and everything under it; what is already gone is no error."""
+    """Remove ``path`` and everything under it; what is already gone is no error. A symbolic
+    link (a checkpoint path that was one, set aside by an overwrite) is removed, not followed."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+        return
     shutil.rmtree(path, ignore_errors=True)

@@ -332,6 +332,17 @@ def test_overwrite_replaces_and_old_data_is_gone(root):
     assert sorted(p.name for p in root.iterdir()) == ["good"]  # no temporary or set-aside directory left
 
 
+def test_overwrite_through_a_symbolic_link_leaves_its_target_and_no_link_aside(tmp_path):
+    """A checkpoint path that is a link to a checkpoint is replaced by the new one; the link is
+    removed, its target left whole, and nothing set aside remains."""
+    lc.save(tmp_path / "target", {"w": W}, layout1())
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    lc.save(tmp_path / "link", {"w": W + 1}, layout1(), overwrite=True)
+    assert not (tmp_path / "link").is_symlink() and torch.equal(lc.load(tmp_path / "link")["w"], W + 1)
+    assert torch.equal(lc.load(tmp_path / "target")["w"], W)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
+
+
 # --- load: templates and layouts ---------------------------------------------------------------
 
 
