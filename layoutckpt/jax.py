@@ -39,7 +39,7 @@ from .base._options import IOConfig
 from .engine._read import BoxRead
 from .format._dtypes import numpy_dtype
 from .format._format import ArrayMeta
-from .layout._plan import Box, box_shape, box_size, shard_pieces
+from .layout._plan import Box, box_shape, box_size, box_view, shard_pieces
 from .layout._spec import P
 from .layout._tree import decode_value, leaf_nodes, unflatten
 
@@ -330,7 +330,7 @@ def _within(host: np.ndarray, region: Box, box: Box) -> np.ndarray:
     """The view of ``host`` (which holds ``region``) that holds ``box``."""
     if box_size(box) == 0:
         return np.empty(box_shape(box), host.dtype)
-    return host[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, region))] if box else host[...]
+    return box_view(host, box, [o for o, _ in region])
 
 
 def _place(plan: _ArrayPlan, region: Box, host: np.ndarray) -> jax.Array:

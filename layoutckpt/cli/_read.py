@@ -16,7 +16,7 @@ from ..engine import _readplan
 from ..engine._read import BoxRead
 from ..format._dtypes import ZARR_TO_NUMPY
 from ..layout._index import index_box
-from ..layout._plan import Box, box_shape
+from ..layout._plan import Box, box_shape, box_view
 from ._common import PROG, NotFound, UsageError, open_checkpoint
 from ._text import human, json_safe, progress
 
@@ -72,11 +72,7 @@ def read_box(rd: Reader, name: str, box: Box, bar: Any) -> np.ndarray:
     a = rd.meta.arrays[stored]
     out = np.empty(box_shape(box), dtype=rd.info(name).dtype)
     origin = [lo for lo, _ in box]
-    pieces = [
-        # The trailing ``...`` keeps a 0-d array's box ``()`` a view (``out[()]`` is a scalar).
-        BoxRead(stored, a, piece, out[(*(slice(lo - o, hi - o) for (lo, hi), o in zip(piece, origin)), ...)])
-        for piece in _readplan.read_pieces(a, box)
-    ]
+    pieces = [BoxRead(stored, a, piece, box_view(out, piece, origin)) for piece in _readplan.read_pieces(a, box)]
     for r, _ in rd.read_boxes(pieces):
         bar.update(r.nbytes)
     return out

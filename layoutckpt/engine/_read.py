@@ -33,7 +33,7 @@ from ..base._metrics import InFlight
 from ..base._options import DEFAULT_IO, IOConfig
 from ..format._dtypes import numpy_dtype
 from ..format._format import ArrayMeta
-from ..layout._plan import Box, box_shape, box_size
+from ..layout._plan import Box, box_shape, box_size, box_view
 from ..storage import _os
 from ..storage._readers import BoxReader
 
@@ -111,7 +111,7 @@ def _view(out: np.ndarray, box: Box, piece: Box) -> np.ndarray:
     """The part of ``out`` (which holds ``box``) that ``piece`` fills."""
     if piece == box:
         return out
-    return out[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(piece, box))]
+    return box_view(out, piece, [o for o, _ in box])
 
 
 def _inline(

@@ -73,6 +73,13 @@ def box_size(box: Box) -> int:
     return math.prod(box_shape(box))
 
 
+def box_view(a: Any, box: Box, origin: Sequence[int] | None = None) -> Any:
+    """The view of the array ``a`` (whose first element is at ``origin``, default 0s) that holds
+    ``box``; a 0-d array's box ``()`` gives a 0-d view, where ``a[()]`` would give a scalar."""
+    origin = origin if origin is not None else (0,) * len(box)
+    return a[(*(slice(lo - o, hi - o) for (lo, hi), o in zip(box, origin)), ...)]
+
+
 def shard_shape(shape: Sequence[int], spec: P, mesh: Mesh, shard: Sequence[int] | None = None) -> tuple[int, ...]:
     """The regular chunk grid whose chunks are exactly the boxes (at least 1 along each dim)."""
     if shard is not None:

@@ -34,7 +34,7 @@ from ..base._errors import CheckpointExistsError
 from ..base._metrics import InFlight
 from ..base._options import IOConfig
 from ..format._dtypes import numpy_dtype
-from ..layout._plan import Box, box_shape, row_pieces
+from ..layout._plan import Box, box_shape, box_view, row_pieces
 from . import _os, _store
 from ._location import MARKER, MAX_DOCUMENT_BYTES, PENDING, MarkerCommit
 from ._readers import BoxReader, Lease
@@ -325,7 +325,7 @@ class HeldWriter(BoxWriter):
         if held is None:
             held = HeldArray(np.zeros(shape, dtype))
             self.location.put_array(meta, held)
-        np.copyto(_view(held.data, box), data.reshape(box_shape(box)), casting="no")
+        np.copyto(box_view(held.data, box), data.reshape(box_shape(box)), casting="no")
 
     def write_documents(self, items: Iterable[tuple[str, bytes]]) -> None:
         self.location.write_many(items)
@@ -358,7 +358,7 @@ class HeldReader(BoxReader):
         if held.data.shape != tuple(meta.shape) or held.data.dtype != out.dtype:
             detail = f"held as {held.data.dtype}{list(held.data.shape)}, saved as {meta.dtype}{list(meta.shape)}"
             raise self._damaged(name, missing=False, detail=detail)
-        np.copyto(out, _view(held.data, box), casting="no")
+        np.copyto(out, box_view(held.data, box), casting="no")
         if not held.alive:  # retired while we copied: a later save may have overwritten it
             raise self._damaged(name, missing=True, detail="the piece was retired while it was being read")
         return out.nbytes
@@ -374,12 +374,7 @@ class HeldReader(BoxReader):
             if not held.alive:
                 raise self._damaged(name, missing=True, detail="the piece was retired while it was being read")
 
-        return Lease(_view(held.data, box), check)
+        return Lease(box_view(held.data, box), check)
 
     def _damaged(self, name: str, *, missing: bool, detail: str) -> Exception:
         return _store.damaged(name, self.where, missing=missing, detail=detail)
-
-
-def _view(data: np.ndarray, box: Box) -> np.ndarray:
-    """``box`` of ``data``, a view even for a 0-d array (``data[()]`` would be a NumPy scalar)."""
-    return data[(*(slice(a, b) for a, b in box), ...)]

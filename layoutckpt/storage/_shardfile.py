@@ -41,7 +41,7 @@ import numpy as np
 
 from ..base._options import DEFAULT_IO, IOConfig
 from ..format._shard import ABSENT, binding, codec_for, inner_boxes, inner_count
-from ..layout._plan import Box
+from ..layout._plan import Box, box_view
 from . import _os
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ def write_shard(
 def _reader(data: np.ndarray, shard_shape: Sequence[int], cell: Sequence[int]) -> Callable[[Box], np.ndarray]:
     """``read(box)`` over a shard held as an array (``data[0, ...]`` at the shard's origin)."""
     origin = [c * s for c, s in zip(cell, shard_shape)]
-    return lambda box: data[tuple(slice(a - o, b - o) for (a, b), o in zip(box, origin))]
+    return lambda box: box_view(data, box, origin)
 
 
 def _write_chunks(
