@@ -77,8 +77,6 @@ class _Job:
     staging: Staging
     fut: SaveFuture
     layout: Any
-    metadata: Any
-    rank_state: Any
     copied: threading.Event = attrs.field(factory=threading.Event)
     error: BaseException | None = None
     persist: bool = False
@@ -142,17 +140,7 @@ class Tiers:
         if error is not None:
             self._skip_replica_round()
             raise error
-        # A persist runs saves later: it stores the metadata and rank_state as of this call.
-        doc = staging.piece.rank_doc
-        job = _Job(
-            step,
-            staging,
-            SaveFuture(self.tier.piece(step).url),
-            layout,
-            staging.metadata,
-            None if doc is None else _rankstate.parse(doc, "rank_state"),
-            persist=decision == "start",
-        )
+        job = _Job(step, staging, SaveFuture(self.tier.piece(step).url), layout, persist=decision == "start")
         if decision == "pend":
             self._pend(job)
         if self.replicator is not None:
@@ -277,7 +265,10 @@ class Tiers:
         try:
             if job.error is not None:
                 raise job.error
-            fut = self._persist_fn(job.step, job.staging.tree(), job.layout, job.metadata, job.rank_state)
+            # A persist runs saves later: it stores the metadata and rank_state as staged at the save.
+            doc = job.staging.piece.rank_doc
+            rank_state = None if doc is None else _rankstate.parse(doc, "rank_state")
+            fut = self._persist_fn(job.step, job.staging.tree(), job.layout, job.staging.metadata, rank_state)
         except Exception as err:  # noqa: BLE001 - never stops training: reported as a failed persist
             job.staging.drop()
             self._persisted(job.step, err)
