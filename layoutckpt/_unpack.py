@@ -86,6 +86,12 @@ def _check_source(source: Location, final: Location, meta: CheckpointMeta) -> No
         )
     if source.url == final.url:
         raise ValueError(f"export_zarr: the destination {final.url!r} is the source itself; name a new path")
+    inner, outer = sorted((source.url.rstrip("/"), final.url.rstrip("/")), key=len, reverse=True)
+    if inner.startswith(outer + "/"):
+        raise ValueError(
+            f"export_zarr: the destination {final.url!r} and the source {source.url!r} are one inside the other, "
+            "so the export would change the source or overwrite it; name a path outside the source"
+        )
 
 
 def shard_bytes(meta: CheckpointMeta) -> dict[str, int]:

@@ -72,7 +72,7 @@ def locate(path: str | os.PathLike[str] | Mapping[str, Any] | Location) -> Locat
     text = os.fspath(path)
     scheme, sep, rest = text.partition("://")
     if not sep or scheme == "file":
-        return LocalDir(Path(rest if sep else text).absolute())
+        return LocalDir(_local_root(rest if sep else text))
     if scheme == "memory":
         from ._held import held_at  # a memory tier's root holds host arrays (``_held``)
 
@@ -97,6 +97,17 @@ def locate(path: str | os.PathLike[str] | Mapping[str, Any] | Location) -> Locat
         f"unsupported storage {scheme + '://'!r} in {text!r}; use a local path, file://, s3://, gs://, "
         "memory://, or a TensorStore kvstore spec (a dict)"
     )
+
+
+def _local_root(text: str) -> Path:
+    """The absolute path ``text`` names. A ``..`` is resolved as the kernel resolves it (through
+    any link before it), since TensorStore's file driver refuses paths that hold one."""
+    path = Path(text).absolute()
+    if ".." not in path.parts:
+        return path
+    if path.name == "..":
+        return path.resolve()
+    return path.parent.resolve() / path.name
 
 
 def _as_prefix(path: str) -> str:

@@ -312,3 +312,18 @@ def test_local_to_s3(mixed):
         assert ".layoutckpt-pending" not in keys and not any(k.startswith("packs/") for k in keys)
         with pytest.raises(lc.CheckpointExistsError):
             lc.export_zarr(mixed, dst)
+
+
+def test_a_destination_inside_the_source_or_around_it_is_refused(many, tmp_path):
+    before = files_of(many)
+    with pytest.raises(ValueError, match="one inside the other"):
+        lc.export_zarr(many, many / "plain")
+    with pytest.raises(ValueError, match="one inside the other"):
+        lc.export_zarr(many, many.parent, overwrite=True)
+    assert files_of(many) == before
+
+
+def test_a_destination_through_dot_dot_is_the_path_it_names(many, tmp_path):
+    (tmp_path / "x").mkdir()
+    lc.export_zarr(many, tmp_path / "x" / ".." / "plain")
+    assert_same_checkpoint(tmp_path / "plain", many)

@@ -4,6 +4,7 @@ cannot be stored are refused up front (item 11)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -68,3 +69,11 @@ def test_tensors_without_dense_data_are_refused_with_a_typed_error(tmp_path, ten
         lc.save(tmp_path / "c", {"model": {"w": tensor()}}, lc.Layout.replicated())
     assert "'model.w'" in str(info.value)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_path_through_dot_dot_and_a_link_names_what_the_kernel_resolves(tmp_path):
+    (tmp_path / "real" / "inner").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "inner")
+    lc.save(tmp_path / "link" / ".." / "ck", {"a": np.arange(3)})
+    assert (tmp_path / "real" / "ck").is_dir()  # link/.. is real/, as open() would have it
+    assert np.array_equal(lc.open(os.fspath(tmp_path / "link") + "/../ck").read("a"), np.arange(3))
