@@ -14,7 +14,7 @@ from typing import Any
 from .base._errors import InconsistentShardsError
 from .base._options import SaveOptions
 from .storage._location import Location
-from .torch._dist import Comm
+from .torch._dist import Comm, Failure, fail_together
 
 
 def agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[list[int], list[int]]:
@@ -25,14 +25,11 @@ def agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[li
     reported is named too (``RankLostError``).
     """
     comm = comm.during("before the save's ranks agreed on what to save (nothing was written)")
-    hi, lo = comm.all_max_min([1 if error else 0, *words])
-    if hi[0]:
-        messages = comm.all_gather_bytes(f"{type(error).__name__}: {error}".encode() if error else b"")
-        if error is not None:
-            raise error
-        failed = [f"rank {r}: {m.decode()}" for r, m in enumerate(messages) if m]
-        raise InconsistentShardsError("save refused on other ranks, nothing was written: " + "; ".join(failed))
-    return hi[1:], lo[1:]
+    return fail_together(comm, error, _refused, words)
+
+
+def _refused(failures: list[Failure]) -> InconsistentShardsError:
+    return InconsistentShardsError("save refused on other ranks, nothing was written: " + "; ".join(map(str, failures)))
 
 
 def call_of(final: Location, options: SaveOptions) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import numpy as np
 from . import _rankstate, _shared_reads
 from ._pieces import padded_shard_shape, uses_views
 from .base._arguments import check_load_arguments
-from .base._errors import TemplateMismatchError
+from .base._errors import TemplateMismatchError, same_kind
 from .base._futures import LoadFuture
 from .base._gc import collector_paused
 from .base._metrics import LOAD_PHASES, Metrics, Phases, report
@@ -39,7 +39,7 @@ from .storage import _store
 from .storage._location import locate
 from .storage._packs import arrays_of
 from .storage._readers import BoxReader, Lease
-from .torch._dist import check_mesh, comm_for
+from .torch._dist import Comm, Failure, check_mesh, comm_for, fail_together
 from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from .torch._pinned import HostArena
 from .torch._tensors import from_numpy, to_numpy, torch_dtype, zarr_name_of
@@ -99,7 +99,8 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
     A path or layout of the wrong kind (a template passed as ``layout``) raises ``TypeError``,
     a missing checkpoint ``CheckpointNotFoundError``, a layout that does not fit an array
     ``LayoutError`` (all before any byte is read), and a damaged chunk ``IntegrityError``
-    naming its array.
+    naming its array. Any of the errors raised before reading fails the load on every rank:
+    the others raise one of the same class, naming the rank and its message.
     """
     check_load_arguments("load", path, layout, Layout)
     with collector_paused():
@@ -129,12 +130,7 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     root = locate(path)
     meta = _store.read_meta(root)
     comm = comm_for(options.group)
-    try:
-        plan = _plan_load(root.url, meta, layout, options, comm)
-    except Exception:
-        if options.share_reads and comm.world > 1:
-            _shared_reads.agree(comm, None, None, set())  # the others then read alone
-        raise
+    plan = _plan_on_every_rank(root.url, meta, layout, options, comm)
     reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
     bound = plan.device_bound()
     lent = plan.lent(meta, reader, bound)
@@ -313,6 +309,29 @@ def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options:
         _check_fillable(template, names)
     targets, flats, composites, holders = _targets(names, template, meta, target_layout, layout, comm, global_names)
     return _LoadPlan(structure, template, keep, targets, flats, options, composites, holders)
+
+
+def _plan_on_every_rank(
+    url: str, meta: CheckpointMeta, layout: Layout | None, options: LoadOptions, comm: Comm
+) -> _LoadPlan:
+    """``_plan_load``, and whether it failed on any rank: then every rank raises before it reads.
+    Some failures show only on some ranks (a template whose shard fits on one rank and not on
+    another), and a rank that loads while its peers raise goes on alone into the next
+    collective, where it hangs."""
+    comm = comm.during("while the ranks planned a load")
+    try:
+        plan = _plan_load(url, meta, layout, options, comm)
+    except Exception as err:
+        fail_together(comm, err, _refused)
+        raise
+    fail_together(comm, None, _refused)
+    return plan
+
+
+def _refused(failures: list[Failure]) -> Exception:
+    return same_kind(f.kind for f in failures)(
+        "the load failed on other ranks, so no rank reads: " + "; ".join(map(str, failures))
+    )
 
 
 def _sharing(

@@ -21,12 +21,12 @@ from collections.abc import Callable, Mapping
 import attrs
 import numpy as np
 
-from .base._errors import IntegrityError
+from .base._errors import same_kind
 from .format._dtypes import numpy_dtype
 from .format._format import ArrayMeta
 from .layout import _plan
 from .layout._spec import Mesh, P
-from .torch._dist import Comm, digest
+from .torch._dist import Comm, Failure, digest, fail_together
 
 Target = tuple[str, _plan.Box]
 # The mesh and spec that place a box, and what else decides it that every rank of a stage must
@@ -76,17 +76,13 @@ def plan(
     return out
 
 
-def agree(comm: Comm, stages: Stages | None, holders: Mapping[Target, Holding] | None, lent: set[Target]) -> bool:
+def agree(comm: Comm, stages: Stages | None, holders: Mapping[Target, Holding], lent: set[Target]) -> bool:
     """Whether every rank may share: the ranks of each pipeline stage load the same arrays with
     the same meshes, specs and views, and lend (``BoxReader.lend``) the same ones. One all-gather of
-    a digest; the same answer on every rank. A rank whose plan failed (``holders`` None) takes
-    part before it raises, so that its stage's ranks read alone rather than wait for it."""
-    if holders is None:
-        mine: list[object] = ["failed", comm.rank]
-    else:
-        mine = sorted(
-            (stored, repr(m), repr(s), view, (stored, box) in lent) for (stored, box), (m, s, view) in holders.items()
-        )
+    a digest; the same answer on every rank."""
+    mine = sorted(
+        (stored, repr(m), repr(s), view, (stored, box) in lent) for (stored, box), (m, s, view) in holders.items()
+    )
     found = comm.all_gather_bytes(b"".join(w.to_bytes(8, "little") for w in digest(mine)))
     by_stage: dict[tuple[int, ...], bytes] = {}
     for rank, got in enumerate(found):
@@ -105,16 +101,14 @@ def settle(comm: Comm, join: Callable[[], None]) -> None:
         join()
     except Exception as err:  # noqa: BLE001 - reported to every rank, then raised
         error = err
-    comm = comm.during("while the ranks shared a load's reads")
-    hi, _ = comm.all_max_min([1 if error else 0])
-    if not hi[0]:
-        return
-    messages = comm.all_gather_bytes(f"{type(error).__name__}: {error}".encode() if error else b"")
-    if error is not None:
-        raise error
-    failed = "; ".join(f"rank {r}: {m.decode()}" for r, m in enumerate(messages) if m)
-    kind = IntegrityError if "IntegrityError" in failed else RuntimeError
-    raise kind(f"the load's shared reads failed on other ranks, so this rank's boxes are incomplete: {failed}")
+    fail_together(comm.during("while the ranks shared a load's reads"), error, _incomplete)
+
+
+def _incomplete(failures: list[Failure]) -> Exception:
+    return same_kind(f.kind for f in failures)(
+        "the load's shared reads failed on other ranks, so this rank's boxes are incomplete: "
+        + "; ".join(map(str, failures))
+    )
 
 
 def destination(out: np.ndarray | None, meta: ArrayMeta, box: _plan.Box) -> np.ndarray:

@@ -7,6 +7,8 @@ each message names the array, what was expected, and how to fix it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class LayoutError(ValueError):
     """A mesh, spec or layout rule does not fit the arrays it is applied to."""
@@ -90,3 +92,29 @@ class PersistError(SaveError):
 class PersistWarning(RuntimeWarning):
     """Issued by ``CheckpointManager.save`` for a background persist that failed since the last
     call: a warning, not an error, so that the training loop keeps going."""
+
+
+# What a rank raises for the same failure on another rank (``same_kind``): errors made from a
+# message alone, which a caller may catch by class whichever rank failed.
+_RAISED_ELSEWHERE: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        LayoutError,
+        InconsistentShardsError,
+        WorldSizeError,
+        InvalidNameError,
+        TemplateMismatchError,
+        FormatError,
+        NewerFormatError,
+        IntegrityError,
+        ValueError,
+        TypeError,
+    )
+}
+
+
+def same_kind(names: Iterable[str]) -> type[Exception]:
+    """The class to raise for failures other ranks raised, given their class names: their one
+    class where it is one of the plain ones above, else ``RuntimeError``."""
+    kinds = {_RAISED_ELSEWHERE.get(name, RuntimeError) for name in names}
+    return kinds.pop() if len(kinds) == 1 else RuntimeError

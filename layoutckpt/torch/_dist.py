@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -299,6 +299,38 @@ _RESTART = (
     "Restart the job on every rank from the last committed checkpoint; a save interrupted so commits "
     "nothing, and leaves the checkpoints committed before it intact"
 )
+
+
+@attrs.frozen
+class Failure:
+    """One rank's failure, as ``fail_together`` tells it to the others."""
+
+    rank: int
+    kind: str  # the exception's class name
+    message: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.kind}: {self.message}"
+
+
+def fail_together(
+    comm: Comm,
+    error: BaseException | None,
+    elsewhere: Callable[[list[Failure]], BaseException],
+    words: Sequence[int] = (),
+) -> tuple[list[int], list[int]]:
+    """Tell every rank whether this one failed, with ``words`` (each one's maximum and minimum
+    over the ranks come back), in one collective. Where any rank failed, every rank raises: the
+    failing ones their own error, the others ``elsewhere(failures)``, so that no rank goes on
+    alone into a collective its peers have left."""
+    hi, lo = comm.all_max_min([1 if error else 0, *words])
+    if not hi[0]:
+        return hi[1:], lo[1:]
+    told = comm.all_gather_bytes(f"{type(error).__name__}\0{error}".encode() if error else b"")
+    if error is not None:
+        raise error
+    failures = [Failure(r, *m.decode().split("\0", 1)) for r, m in enumerate(told) if m]
+    raise elsewhere(failures)
 
 
 def raise_named(comm: Comm | StoreComm, err: BaseException, name: str) -> NoReturn:

@@ -1,0 +1,32 @@
+"""A load whose plan fails on some ranks only fails on every rank, on real gloo ranks.
+
+A model whose global shape changed since the save can still fit some ranks' shards: 3 rows
+split over 2 ranks are 2 and 1, and a template of 4 rows (2 and 2) fits rank 0 alone. Rank 1
+raises, and rank 0 must too: a rank that loads while its peer raises goes on alone into the
+next collective of the training loop, and waits there for ever."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import layoutckpt as lc
+from tests.support.multirank import RankPool
+
+LAYOUT = lc.Layout(lc.Mesh({"tp": 2}), [(r".*", lc.P("tp"))])
+
+
+def _grown(rank: int, group, path: str) -> str | None:
+    lc.save(path, {"w": torch.arange(3.0)[[0, 1] if rank == 0 else [2]]}, LAYOUT, group=group)
+    try:
+        lc.load(path, LAYOUT, like={"w": torch.zeros(2)}, group=group)  # 4 rows now: 2 on each rank
+    except lc.TemplateMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_a_template_that_fits_only_some_ranks_fails_the_load_on_every_rank(ranks: RankPool, tmp_path: Path) -> None:
+    mine, theirs = ranks.run(_grown, 2, str(tmp_path / "ck"))
+    assert theirs is not None and "'w'" in theirs and "other ranks" not in theirs, theirs
+    assert mine is not None and "rank 1: TemplateMismatchError" in mine and "'w'" in mine, mine
