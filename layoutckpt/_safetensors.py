@@ -42,7 +42,7 @@ from .layout._layout import Layout
 from .layout._plan import Box
 from .layout._tree import check_no_prefix_clash
 from .storage._commit import new_token, write_file_atomically
-from .storage._location import Location
+from .storage._location import Location, check_outside_checkpoints
 
 # Bytes of an array held at once when exporting (one C-order block, written whole).
 BLOCK_BYTES = 16 << 20
@@ -180,6 +180,7 @@ def export_safetensors(
             raise ValueError(f"nothing to export: select={select!r} matches no array of checkpoint {rd.path!r}")
         files = plan_files(arrays, max_shard_bytes)
         out = Path(out_dir)
+        check_outside_checkpoints(out, "safetensors files", itself=True)
         out.mkdir(parents=True, exist_ok=True)
         written, weight_map = [], {}
         for i, group in enumerate(files, 1):

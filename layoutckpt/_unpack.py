@@ -36,7 +36,7 @@ from .layout._plan import box_shape
 from .storage import _store
 from .storage._commit import new_token
 from .storage._location import Location, locate
-from .storage._packs import database
+from .storage._packs import database, packed_value
 
 # About how many bytes of values a batch holds (two batches are held at once).
 BATCH_BYTES = 64 << 20
@@ -84,9 +84,10 @@ def _check_source(source: Location, final: Location, meta: CheckpointMeta) -> No
             f"checkpoint {source.url!r} is already plain (packing 'files'): plain zarr reads it as it is; "
             "copy it as a directory (or prefix) to put it elsewhere"
         )
-    if source.url == final.url:
+    src, dst = (os.path.realpath(x.url) if x.is_local else x.url.rstrip("/") for x in (source, final))
+    if src == dst:
         raise ValueError(f"export_zarr: the destination {final.url!r} is the source itself; name a new path")
-    inner, outer = sorted((source.url.rstrip("/"), final.url.rstrip("/")), key=len, reverse=True)
+    inner, outer = sorted((src, dst), key=len, reverse=True)
     if inner.startswith(outer + "/"):
         raise ValueError(
             f"export_zarr: the destination {final.url!r} and the source {source.url!r} are one inside the other, "
@@ -162,7 +163,7 @@ def _wait(futures: list[Any]) -> None:
 def _value(key: str, got: Any, source: Location) -> bytes:
     if got.state != "value":
         raise IntegrityError(f"checkpoint {source.url!r}: {key!r} is listed in its database but cannot be read")
-    return bytes(got.value)
+    return packed_value(key, got.value, source.url)
 
 
 def hidden_keys(meta: CheckpointMeta) -> list[str]:

@@ -169,7 +169,10 @@ _OTHER_DAMAGE = re.compile(
 def _damage(err: IntegrityError) -> str:
     text = str(err)
     other = _OTHER_DAMAGE.search(text)
-    if "NOT_FOUND" in text or "is missing from storage" in text:
+    missing = re.search(r"its data file \S+ is missing|reads as empty: the data file under packs/", text)
+    if missing:
+        reason = f"{missing.group(0).removeprefix('reads as empty: ')}"
+    elif "NOT_FOUND" in text or "is missing from storage" in text:
         reason = "an inner chunk is missing from the shard"
     elif other:
         reason = other.group(1)

@@ -263,6 +263,7 @@ class LocalDir(Location):
 
     # -- the save's life cycle ------------------------------------------------------------
     def check_destination(self, overwrite: bool) -> None:
+        check_outside_checkpoints(self.root, "a checkpoint")
         if self.committed() and not overwrite:
             raise _exists(self.url)
         if self.exists() and not self.committed():
@@ -300,6 +301,20 @@ class LocalDir(Location):
 
     def discard(self) -> None:
         _commit.remove_tree(self.root)
+
+
+def check_outside_checkpoints(path: Path, what: str, *, itself: bool = False) -> None:
+    """Refuse to write ``what`` at ``path`` inside a committed checkpoint (or any Zarr group),
+    through links too: its files would become members that plain zarr lists, and that
+    ``verify`` reports as files the format does not know. ``itself``: ``path`` may not be one
+    either (a save replaces one there whole; other writers would add to it)."""
+    real = Path(os.path.realpath(path))
+    for parent in [real, *real.parents] if itself else real.parents:
+        if (parent / MARKER).is_file():
+            raise CheckpointExistsError(
+                f"{os.fspath(path)!r} lies inside the checkpoint (or Zarr group) {os.fspath(parent)!r}; "
+                f"writing {what} there would change that one: name a path outside it"
+            )
 
 
 class MarkerCommit(Location):

@@ -29,6 +29,7 @@ import attrs
 import tensorstore as ts
 
 from ..base import _faults
+from ..base._errors import IntegrityError
 from ..base._metrics import InFlight
 from ..base._options import IOConfig
 from ..base._workers import Workers
@@ -87,7 +88,7 @@ class PackView:
             return None
         if len(got.value) > max_bytes:
             raise _os.NotRegularFile(errno.EFBIG, f"{len(got.value)} bytes, above the limit of {max_bytes}", key)
-        return bytes(got.value)
+        return packed_value(key, got.value, self.location.url)
 
     def box_reader(self, where: str, complete: bool, io: IOConfig) -> BoxReader:
         """The reader of the arrays: on a local disk, layoutckpt's own reader of the database's
@@ -96,6 +97,17 @@ class PackView:
         if isinstance(self.location, LocalDir) and not self.base:
             return PackedFileReader(self.location.root, where, complete, io, through, self.writers, self.mesh)
         return through
+
+
+def packed_value(key: str, value: bytes, url: str) -> bytes:
+    """A value read from a packed checkpoint's database, which is never empty: every document
+    and every shard holds bytes. TensorStore reads a value whose data file is gone as empty."""
+    if not value:
+        raise IntegrityError(
+            f"checkpoint {url!r}: {key!r} reads as empty: the data file under packs/ that holds it is "
+            "missing or cut short; restore the checkpoint from another copy"
+        )
+    return bytes(value)
 
 
 def arrays_of(location: Location, meta: CheckpointMeta) -> Location | PackView:

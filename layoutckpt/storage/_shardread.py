@@ -217,7 +217,8 @@ class _BoxFill:
             raise Damaged(False, f"shard {key} is not a regular file inside the checkpoint ({err.strerror})") from None
         except (FileNotFoundError, NotADirectoryError):
             if self.complete:
-                raise Damaged(True, f"shard {key} does not exist") from None
+                held = "" if extent is None or extent.length is None else f": its data file {extent.path} is missing"
+                raise Damaged(True, f"shard {key} does not exist{held}") from None
             for at in itertools.product(*self.ranges(origin)):
                 self.place(origin, at, None)
             return 0

@@ -11,6 +11,7 @@ existing checkpoint refused without ``overwrite``); a plain source is refused wi
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -327,3 +328,18 @@ def test_a_destination_through_dot_dot_is_the_path_it_names(many, tmp_path):
     (tmp_path / "x").mkdir()
     lc.export_zarr(many, tmp_path / "x" / ".." / "plain")
     assert_same_checkpoint(tmp_path / "plain", many)
+
+
+def test_a_missing_data_file_fails_the_export_and_verify_names_it(many, tmp_path):
+    """TensorStore reads a value whose data file is gone as empty: the export must not commit
+    those empty values as shards, and ``verify`` names the file rather than a missing chunk."""
+    src = tmp_path / "ck"
+    shutil.copytree(many, src)
+    lost = next((src / "packs").glob("*/d/*"))
+    lost.unlink()
+    with pytest.raises(lc.IntegrityError, match="reads as empty: the data file under packs/"):
+        lc.export_zarr(src, tmp_path / "plain")
+    assert not (tmp_path / "plain").exists()
+    found = [p.text for p in verify(lc.open(src)).problems]
+    assert any(f"its data file {lost.relative_to(src)} is missing" in t for t in found), found
+    assert not any("inner chunk is missing" in t for t in found), found

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import layoutckpt as lc
+from layoutckpt._verify import verify
 
 
 @pytest.mark.parametrize("dtype", [">f4", ">i8", ">u2", ">f8", ">f2", "<f4"])
@@ -77,3 +78,17 @@ def test_a_path_through_dot_dot_and_a_link_names_what_the_kernel_resolves(tmp_pa
     lc.save(tmp_path / "link" / ".." / "ck", {"a": np.arange(3)})
     assert (tmp_path / "real" / "ck").is_dir()  # link/.. is real/, as open() would have it
     assert np.array_equal(lc.open(os.fspath(tmp_path / "link") + "/../ck").read("a"), np.arange(3))
+
+
+def test_a_save_or_export_inside_a_checkpoint_is_refused_and_leaves_it_unchanged(tmp_path):
+    outer = tmp_path / "outer"
+    lc.save(outer, {"a": np.arange(3)})
+    (tmp_path / "link").symlink_to(outer)
+    before = sorted(p.relative_to(outer) for p in outer.rglob("*"))
+    for inside in (outer / "sub", tmp_path / "link" / "x" / "inner"):
+        with pytest.raises(lc.CheckpointExistsError, match="lies inside the checkpoint"):
+            lc.save(inside, {"b": np.arange(2)})
+    with pytest.raises(lc.CheckpointExistsError, match="lies inside the checkpoint"):
+        lc.export_safetensors(outer, outer)
+    assert sorted(p.relative_to(outer) for p in outer.rglob("*")) == before
+    assert verify(lc.open(outer)).ok
