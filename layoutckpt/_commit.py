@@ -47,7 +47,7 @@ def commit_everywhere(
             # Every rank made its part durable before it reported success (in ``_write``).
             final.commit(tmp, root_document(meta), overwrite=overwrite)
         except Exception as err:  # noqa: BLE001 - broadcast to every rank below
-            tmp.discard()
+            _discard_quietly(tmp)  # even where this fails too, the others must hear the outcome
             status = f"{type(err).__name__}: {err}".encode()
     try:
         status = comm.unnamed().broadcast_bytes(status if comm.rank == 0 else None)

@@ -49,7 +49,7 @@ from .base._futures import SaveFuture
 from .base._options import IOConfig, SaveOptions
 from .layout._layout import Layout
 from .storage import _store
-from .storage._location import locate
+from .storage._location import KvPrefix, locate
 from .tiers import (
     TIER_KEY,
     Choice,
@@ -109,6 +109,7 @@ class CheckpointManager:
         check_retention(keep_last, keep_every)
         _check_tiers(local, local_keep_last, persist_every, replicas)
         self._loc = locate(root)
+        self._spec_root = isinstance(root, Mapping)
         # A local root stays a Path (its historical type); an object store's is its URL.
         self.root: Path | str = Path(self._loc.url) if self._loc.is_local else self._loc.url
         self.keep_last = keep_last
@@ -186,14 +187,16 @@ class CheckpointManager:
         self.close()
 
     # Listing ------------------------------------------------------------------------------------
-    def path(self, step: int) -> Path | str:
-        """Where ``step`` is (or would be) saved: a ``Path`` under a local root, else a URL.
+    def path(self, step: int) -> Path | str | dict[str, Any]:
+        """Where ``step`` is (or would be) saved: a ``Path`` under a local root, a kvstore spec
+        under a root given as one (every member of it kept: an endpoint, credentials), else a URL.
 
         Whether a checkpoint is committed there is not checked; ``steps()`` lists those.
         """
         if isinstance(self.root, Path):
             return self.root / step_dir(step)
-        return f"{self.root}/{step_dir(step)}"
+        child = self._loc.child(step_dir(step))
+        return child.kvstore() if self._spec_root and isinstance(child, KvPrefix) else child.url
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first. A save still in progress is not among them."""

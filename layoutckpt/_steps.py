@@ -65,7 +65,7 @@ def retire_step(root: str | os.PathLike[str] | Location, step: int) -> None:
     while partly deleted (``Location.retire``)."""
     loc = locate(root)
     _faults.point("manager.retire", url=f"{loc.url}/{step_dir(step)}")
-    locate(f"{loc.url}/{step_dir(step)}").retire()
+    loc.child(step_dir(step)).retire()
 
 
 def leftovers(root: str | os.PathLike[str]) -> list[tuple[str, str]]:

@@ -88,6 +88,21 @@ def _positive_seconds(instance: Any, attribute: attrs.Attribute, value: float) -
         raise ValueError(f"{attribute.name}= must be a positive number of seconds, got {value!r}")
 
 
+def _step(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    # The reader refuses any other step, so the save must not commit one (``format._format``).
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"step= takes an int or None, got {type(value).__name__} {value!r}; pass int(step)")
+    if not 0 <= value < 2**63:
+        raise ValueError(f"step= must be an int from 0 to 2**63 - 1, got {value}")
+
+
+def _chunk_bytes(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"inner_chunk_bytes= must be a positive int (bytes; 2 MiB by default), got {value!r}")
+
+
 def io_config(io: IOConfig | None) -> IOConfig:
     """``io``, or the defaults; anything else is a ``TypeError`` that says what to pass."""
     if io is None:
@@ -101,12 +116,12 @@ def io_config(io: IOConfig | None) -> IOConfig:
 class SaveOptions:
     """Everything one ``save`` or ``save_async`` call was asked for besides path, state and layout."""
 
-    step: int | None = None
+    step: int | None = attrs.field(default=None, validator=_step)
     metadata: Mapping[str, Any] | None = None
     rank_state: Any = None
     overwrite: bool = False
     group: Any = None
-    inner_chunk_bytes: int = 2 << 20
+    inner_chunk_bytes: int = attrs.field(default=2 << 20, validator=_chunk_bytes)
     compression: str | None = None
     # How the objects are stored: "files" (plain zarr), "ocdbt" (a few files per rank), or
     # "auto": "ocdbt" above a thousand objects (``storage._packs``).

@@ -20,7 +20,7 @@ import attrs
 
 from ..base._errors import FormatError, InvalidNameError, NewerFormatError
 from ..layout._spec import Mesh, P
-from ..layout._tree import leaf_nodes
+from ..layout._tree import MAX_TREE_DEPTH, leaf_nodes
 from ._shard import COMPRESSIONS, compression_json
 
 # 1: first release; 2: chunk keys joined by dots (``c.0.1``); 3: the root document's SHA-256;
@@ -54,7 +54,6 @@ MAX_SHARDS_PER_ARRAY = 1 << 20
 MAX_CHUNKS_PER_SHARD = 1 << 22
 MAX_INNER_CHUNK_BYTES = 1 << 31
 MAX_MESH_SIZE = 1 << 24
-MAX_TREE_DEPTH = 256
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
@@ -199,14 +198,14 @@ class ArrayMeta:
 
 def _check_geometry(name: str, meta: ArrayMeta, itemsize: int) -> None:
     """The shapes of one entry are consistent and within the reader's limits (section 8)."""
-    problem = _geometry_problem(meta.shape, meta.shard_shape, meta.inner_chunk_shape, itemsize)
+    problem = geometry_problem(meta.shape, meta.shard_shape, meta.inner_chunk_shape, itemsize)
     if problem:
         raise FormatError(f"array {name!r}: {problem}")
 
 
 # Layers repeat a handful of shapes: the checks of one are a lookup for the others.
 @functools.lru_cache(maxsize=4096)
-def _geometry_problem(
+def geometry_problem(
     shape: tuple[int, ...], shard: tuple[int, ...], inner: tuple[int, ...], itemsize: int
 ) -> str | None:
     if any(n < 0 for n in shape) or any(s < 1 for s in shard + inner):

@@ -28,6 +28,8 @@ _BAD_CHARS = re.compile(r"[/\\\x00-\x1f\x7f]")
 # the checkpoint is in, its temporary name and a chunk key (docs/format.md section 2.1).
 MAX_PART_BYTES = 255
 MAX_PATH_BYTES = 2048
+# How deep a state's tree may nest: a reader refuses deeper trees (docs/format.md section 9).
+MAX_TREE_DEPTH = 256
 
 
 _NUMPY_LEAVES = (np.ndarray, np.generic)
@@ -42,6 +44,14 @@ def is_array_leaf(x: object) -> bool:
 def name_to_path(name: str) -> str:
     """``model.layers.0.weight`` -> ``model/layers/0/weight``, refusing names that are unsafe."""
     parts = name.split(".")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidNameError(
+                f"array name {name!r} is not valid Unicode text (it holds a lone surrogate, as a name decoded "
+                "from bytes with surrogateescape does), so it has no UTF-8 storage path; rename the key"
+            ) from None
     if _utf8_len(name) > MAX_PATH_BYTES:
         raise InvalidNameError(
             f"array name {name[:64]!r}... is {_utf8_len(name)} bytes as a storage path, above the "
@@ -105,7 +115,7 @@ def flatten(state: object) -> tuple[Any, dict[str, Any]]:
     if not isinstance(state, Mapping | list | tuple):
         raise TypeError(f"the state must be a dict, list or tuple of leaves, got {type(state).__name__}")
     leaves: dict[str, Any] = {}
-    structure = _flatten(state, "", leaves)
+    structure = _flatten(state, "", leaves, 0)
     check_no_prefix_clash(tuple(n for n, v in leaves.items() if is_array_leaf(v)))
     return structure, leaves
 
@@ -113,12 +123,17 @@ def flatten(state: object) -> tuple[Any, dict[str, Any]]:
 # The walks over a tree are module functions, not closures that call themselves: such a closure
 # is a reference cycle, and everything it holds (a load's whole plan) would wait for the cyclic
 # garbage collector, whose full passes over a training process take a tenth of a second.
-def _flatten(x: object, name: str, leaves: dict[str, Any]) -> Any:
+def _flatten(x: object, name: str, leaves: dict[str, Any], depth: int) -> Any:
+    if depth > MAX_TREE_DEPTH:
+        raise ValueError(
+            f"the state nests deeper than {MAX_TREE_DEPTH} levels (at {name[:80]!r}...), which no reader "
+            "opens; flatten the state, e.g. with dotted keys"
+        )
     kind = _node_kind(type(x))
     if kind == "dict":
-        return {"dict": [[k, _flatten(v, _join(name, _key_str(k, name)), leaves)] for k, v in x.items()]}
+        return {"dict": [[k, _flatten(v, _join(name, _key_str(k, name)), leaves, depth + 1)] for k, v in x.items()]}
     if kind is not None:
-        return {kind: [_flatten(v, _join(name, str(i)), leaves) for i, v in enumerate(x)]}
+        return {kind: [_flatten(v, _join(name, str(i)), leaves, depth + 1) for i, v in enumerate(x)]}
     if name in leaves:
         raise InvalidNameError(
             f"two leaves share the global name {name!r} (a key containing dots collides with a "

@@ -37,7 +37,7 @@ import tensorstore as ts
 
 from ..base import _faults
 from ..base._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError
-from ..base._metrics import InFlight
+from ..base._metrics import InFlight, logger
 from ..base._options import IOConfig
 from ..base._workers import Workers
 from ..format._format import MAX_ROOT_DOCUMENT_BYTES
@@ -67,6 +67,8 @@ def locate(path: str | os.PathLike[str] | Mapping[str, Any] | Location) -> Locat
         spec = dict(path)
         if "driver" not in spec:
             raise ValueError(f"a kvstore spec needs a 'driver' member, got {spec!r}")
+        if spec["driver"] == "file":
+            return _file_spec(spec)
         spec["path"] = _as_prefix(spec.get("path", ""))
         return KvPrefix(spec, _url_of(spec))
     text = os.fspath(path)
@@ -97,6 +99,16 @@ def locate(path: str | os.PathLike[str] | Mapping[str, Any] | Location) -> Locat
         f"unsupported storage {scheme + '://'!r} in {text!r}; use a local path, file://, s3://, gs://, "
         "memory://, or a TensorStore kvstore spec (a dict)"
     )
+
+
+def _file_spec(spec: dict[str, Any]) -> LocalDir:
+    """A ``file`` kvstore spec names a local directory, saved and read as the path itself is."""
+    if set(spec) != {"driver", "path"} or not isinstance(spec["path"], str) or not spec["path"]:
+        raise ValueError(
+            f"a 'file' kvstore spec takes a non-empty 'path' and nothing else, got {spec!r}; pass the "
+            "directory's path itself"
+        )
+    return LocalDir(_local_root(spec["path"]))
 
 
 def _local_root(text: str) -> Path:
@@ -176,6 +188,11 @@ class Location(abc.ABC):
     @abc.abstractmethod
     def box_writer(self, io: IOConfig, in_flight: InFlight | None = None) -> BoxWriter:
         """The writer of boxes of arrays here (``_writers``); ``in_flight`` counts its writes."""
+
+    def child(self, name: str) -> Location:
+        """The location ``name`` under this one (a manager's step, a tier's replica), on the same
+        storage: every member of a kvstore spec carries over, not only what the URL says."""
+        return locate(f"{self.url}/{name}")
 
     @abc.abstractmethod
     def check_destination(self, overwrite: bool) -> None:
@@ -334,7 +351,13 @@ class MarkerCommit(Location):
         _faults.point("commit.marker", staging=self.url, final=self.url)
         self.write(MARKER, marker)
         _faults.point("commit.published", final=self.url)
-        self.drop_pending()
+        try:
+            self.drop_pending()
+        except Exception as err:  # noqa: BLE001 - committed: a failure now must not undo it
+            # The marker is stored, so the checkpoint is committed and readable; a pending marker
+            # left beside it changes nothing but a later save's leftovers check, which refuses
+            # to replace a committed prefix anyway.
+            logger.warning("layoutckpt: %s is committed, but its pending marker stays: %s", self.url, err)
 
     @abc.abstractmethod
     def drop_pending(self) -> None:
@@ -354,6 +377,9 @@ class KvPrefix(MarkerCommit):
 
     def kvstore(self, rel: str = "") -> dict[str, Any]:
         return {**self.spec, "path": self.spec["path"] + _as_prefix(rel)}
+
+    def child(self, name: str) -> KvPrefix:
+        return KvPrefix(self.kvstore(name), f"{self.url}/{name}")
 
     @functools.cached_property
     def _kv(self) -> ts.KvStore:
@@ -423,9 +449,10 @@ class KvPrefix(MarkerCommit):
         self._kv.delete_range(ts.KvStore.KeyRange(PENDING, PENDING + "\0")).result()
 
     def retire(self) -> None:
-        """Delete a committed checkpoint: the marker first, so it is never listed half deleted."""
-        self._kv.delete_range(ts.KvStore.KeyRange(MARKER, MARKER + "\0")).result()
+        """Delete a committed checkpoint: the marker first, so it is never listed half deleted;
+        the pending marker before it, so a crash midway leaves a prefix the next save clears."""
         self.write(PENDING, b"layoutckpt deleting this checkpoint\n")
+        self._kv.delete_range(ts.KvStore.KeyRange(MARKER, MARKER + "\0")).result()
         self.discard()
 
     def discard(self) -> None:

@@ -287,10 +287,10 @@ class LocalTier:
 
     def where(self, src: int | None = None) -> Location:
         """The root of this rank's own pieces (``src`` None), or of those it holds for ``src``."""
-        return self.root if src is None else locate(f"{self.root.url}/{REPLICA_PREFIX}{src:05d}")
+        return self.root if src is None else self.root.child(f"{REPLICA_PREFIX}{src:05d}")
 
     def piece(self, step: int, src: int | None = None) -> Location:
-        return locate(f"{self.where(src).url}/{step_dir(step)}")
+        return self.where(src).child(step_dir(step))
 
     def clean(self) -> None:
         """Remove what a crash left half written (this rank's own root and replica roots)."""

@@ -92,3 +92,57 @@ def test_a_save_or_export_inside_a_checkpoint_is_refused_and_leaves_it_unchanged
         lc.export_safetensors(outer, outer)
     assert sorted(p.relative_to(outer) for p in outer.rglob("*")) == before
     assert verify(lc.open(outer)).ok
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"step": "100"}, TypeError, "step= takes an int"),
+        ({"step": np.int64(3)}, TypeError, "pass int"),
+        ({"step": True}, TypeError, "step= takes an int"),
+        ({"step": -1}, ValueError, "from 0 to 2"),
+        ({"inner_chunk_bytes": 0}, ValueError, "inner_chunk_bytes= must be a positive int"),
+        ({"inner_chunk_bytes": "2MB"}, ValueError, "inner_chunk_bytes= must be a positive int"),
+        ({"inner_chunk_bytes": 1}, lc.LayoutError, "inner chunks per shard.*pass a larger inner_chunk_bytes"),
+    ],
+)
+def test_save_options_no_reader_opens_are_refused_before_anything_is_written(tmp_path, options, error, match):
+    good = tmp_path / "ck"
+    lc.save(good, {"w": np.arange(3)})
+    with pytest.raises(error, match=match):
+        lc.save(good, {"w": np.zeros((4 << 20) + 16, np.uint8)}, overwrite=True, **options)
+    assert lc.load(good)["w"].tolist() == [0, 1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def _nested(levels: int) -> dict:
+    state: dict = {"w": np.arange(2)}
+    for _ in range(levels):
+        state = {"x": state}
+    return state
+
+
+def test_a_state_nested_deeper_than_a_reader_opens_is_refused(tmp_path):
+    lc.save(tmp_path / "deepest", _nested(255))  # its leaf is at depth 256, the limit
+    assert lc.open(tmp_path / "deepest").keys() == ["x." * 255 + "w"]
+    for levels in (256, 600):
+        with pytest.raises(ValueError, match="nests deeper than 256 levels"):
+            lc.save(tmp_path / f"deep{levels}", _nested(levels))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deepest"]
+
+
+def test_a_name_with_a_lone_surrogate_is_refused_before_writing(tmp_path):
+    with pytest.raises(lc.InvalidNameError, match="not valid Unicode"):
+        lc.save(tmp_path / "ck", {"w\udcff": np.arange(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_kvstore_spec_names_the_directory_its_path_names(tmp_path, monkeypatch):
+    spec = {"driver": "file", "path": os.fspath(tmp_path / "ck")}
+    monkeypatch.chdir(tmp_path.parent)
+    lc.save(spec, {"w": np.arange(3)})
+    assert (tmp_path / "ck" / "zarr.json").is_file()
+    monkeypatch.chdir("/")
+    assert lc.load(spec)["w"].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="takes a non-empty 'path' and nothing else"):
+        lc.load({**spec, "file_io_sync": False})
