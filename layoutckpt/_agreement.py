@@ -46,6 +46,7 @@ def call_of(final: Location, options: SaveOptions) -> dict[str, Any]:
         "overwrite": options.overwrite,
         "inner_chunk_bytes": options.inner_chunk_bytes,
         "compression": options.compression,
+        "packing": options.packing,
     }
 
 

@@ -230,12 +230,17 @@ class CheckpointManager:
         self._tiers._start_deferred()  # a collective of every rank, as this call is
         return agree(self._tiers.tier, self._comm, self._loc, step, layout_key)
 
-    def _restorable(self, step: int | None, layout: Any = _ANY, like: Any = _ANY) -> tuple[Path | str, bool]:
+    def _restorable(
+        self, step: int | None, layout: Any = _ANY, like: Any = _ANY, *, collective: bool = True
+    ) -> tuple[Path | str, bool]:
         """Where ``step`` (default: the newest every rank can restore) is read on this rank, and
         whether that is its fast-tier piece; a piece only a peer holds is fetched first. For a
         load into ``like``, the pieces serve only where every rank's fits the template
-        (``piece_misfit``); the durable tier serves otherwise."""
+        (``piece_misfit``); the durable tier serves otherwise. ``collective``: every rank asks
+        (a load), so the ranks agree on the newest step; a tiered manager's ranks always agree."""
         if self._tiers is None:
+            if step is None and collective and self._comm.world > 1:
+                step = self._newest_on_every_rank()
             return self._resolve(step), False
         choice = self._choose(step, None if layout is _ANY else layout_key(layout))
         if choice.tier == "local":
@@ -262,6 +267,19 @@ class CheckpointManager:
         found = piece_misfit(info, like, by_layout=by_layout)
         everyone = self._comm.all_gather_bytes((found or "").encode())
         return next((name.decode() for name in everyone if name), None)
+
+    def _newest_on_every_rank(self) -> int | None:
+        """The newest step every rank lists: a save committing while the ranks list the root
+        (or a file system slow to show it) would have them restore different steps."""
+        steps = self.steps()
+        _, (newest,) = self._comm.all_max_min([steps[-1] if steps else -1])
+        if newest < 0:
+            raise CheckpointNotFoundError(
+                2,
+                f"no committed checkpoint under {os.fspath(self.root)!r} on some rank; save one first",
+                os.fspath(self.root),
+            )
+        return newest
 
     def _resolve(self, step: int | None) -> Path | str:
         if step is None:
@@ -472,7 +490,7 @@ class CheckpointManager:
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The user metadata of ``step`` (default: latest), read without loading any array."""
-        path, _ = self._restorable(step)
+        path, _ = self._restorable(step, collective=False)
         found = _store.read_meta(path).user_metadata
         return copy.deepcopy({k: v for k, v in found.items() if k != TIER_KEY})  # the parsed document is shared
 
@@ -482,7 +500,7 @@ class CheckpointManager:
         Raises ``CheckpointNotFoundError`` if there is no such step. Use it as
         ``with mgr.reader() as rd:``.
         """
-        return Reader(self._restorable(step)[0], io=self._defaults.io)
+        return Reader(self._restorable(step, collective=False)[0], io=self._defaults.io)
 
 
 def _check_tiers(local: Any, keep_last: Any, persist_every: Any, replicas: Any) -> None:

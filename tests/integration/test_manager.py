@@ -562,3 +562,18 @@ def test_multirank_save_dp2_tp2_load_tp3(ranks, tmp_path, async_save):
     assert [r[0] for r in results] == [[2, 3]] * 3
     assert [r[1] for r in results] == [{"rank": r + 1, "s": 3} for r in range(3)]
     assert sorted(os.listdir(root)) == [_retention.LOCK_FILE, "step_00000002", "step_00000003"]
+
+
+def _load_newest(rank, group, root):
+    with lc.CheckpointManager(root, group=group, async_save=False) as mgr:
+        if rank == 1:
+            mgr.steps = lambda: [1]  # step 2 not yet listed here: it commits while the ranks list the root
+        return mgr.load()["w"].tolist()
+
+
+def test_ranks_that_list_different_newest_steps_restore_the_same_one(ranks, tmp_path):
+    root = str(tmp_path / "run")
+    with lc.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((2,), float(step))})
+    assert ranks.run(_load_newest, 2, root) == [[1.0, 1.0]] * 2

@@ -27,6 +27,7 @@ CASES = {
     "step": ({"step": 1}, {"step": 2}, "step 1 on rank 0 but 2 on rank 1"),
     "metadata": ({"metadata": {"lr": 0.1}}, {"metadata": {"lr": 0.2}}, "metadata"),
     "compression": ({}, {"compression": "zstd"}, "compression None on rank 0 but 'zstd' on rank 1"),
+    "packing": ({"packing": "files"}, {"packing": "ocdbt"}, "packing 'files' on rank 0 but 'ocdbt' on rank 1"),
 }
 
 
