@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Unpack
 
 import attrs
@@ -430,10 +431,13 @@ def _part(source: Any, where: tuple[slice, ...] | None) -> Any:
 def _run_now(job: _Job, items: list[Staged], comm: Comm | StoreComm) -> SaveFuture:
     """``save``: write from the live tensors and commit on the caller's thread."""
     fut = SaveFuture(job.final.url)
-    for s in items:
-        s.view()
-    fut._set_staged()
-    _write_and_commit(job, items, comm, fut, None, None)
+
+    def view() -> None:  # inside the write's failure handling: the other ranks must hear of it
+        for s in items:
+            s.view()
+        fut._set_staged()
+
+    _write_and_commit(job, items, comm, fut, None, None, view)
     return fut
 
 
@@ -704,12 +708,15 @@ def _write_and_commit(
     fut: SaveFuture,
     returned: threading.Event | None,
     gate: threading.Event | None,
+    view: Callable[[], None] | None = None,
 ) -> None:
-    """Write this rank's boxes (once ``gate`` opens, or as they are staged), agree on success,
-    commit; settle ``fut``."""
+    """Write this rank's boxes (once ``gate`` opens, or as they are staged; a synchronous save
+    first ``view``s the live tensors), agree on success, commit; settle ``fut``."""
     written = 0
     failure = b""
     try:
+        if view is not None:
+            view()
         if gate is not None:
             gate.wait()
         start = time.perf_counter()

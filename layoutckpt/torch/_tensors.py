@@ -75,8 +75,10 @@ def tensor_zarr_dtype(t: torch.Tensor, name: str) -> str:
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor (bf16/fp8 as ml_dtypes), sharing its memory."""
-    t = t.detach()
+    """A NumPy view of a CPU tensor (bf16/fp8 as ml_dtypes), sharing its memory; a copy where
+    the tensor is a lazy negation (``torch._neg_view``, a view of a conjugate's imaginary part),
+    whose memory holds the values negated."""
+    t = t.detach().resolve_neg()
     if not t.is_cpu:
         t = t.cpu()
     to_zarr, _, carriers = _tables()

@@ -146,3 +146,11 @@ def test_a_file_kvstore_spec_names_the_directory_its_path_names(tmp_path, monkey
     assert lc.load(spec)["w"].tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="takes a non-empty 'path' and nothing else"):
         lc.load({**spec, "file_io_sync": False})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lazily_negated_tensor_saves_its_values(tmp_path, dtype):
+    negated = torch._neg_view(torch.arange(4, dtype=dtype))
+    assert negated.is_neg()
+    lc.save(tmp_path / "ck", {"w": negated})
+    assert torch.equal(lc.load(tmp_path / "ck")["w"], -torch.arange(4, dtype=dtype))

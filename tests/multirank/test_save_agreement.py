@@ -74,3 +74,30 @@ def test_an_agreeing_async_save_commits_and_leaves_the_store_as_it_found_it(rank
     # The keys of one save are all deleted once every rank read its last exchange.
     assert first[0][1] == second[0][1]
     assert lc.load(str(tmp_path / "b" / "ok"))["w"].tolist() == STATE["w"].tolist()
+
+
+def _view_fails_on_rank_1(rank, group, base):
+    from layoutckpt.torch import _staging
+
+    def refuse(self):
+        raise RuntimeError("cannot view this tensor")
+
+    real = _staging.Staged.view
+    if rank == 1:
+        _staging.Staged.view = refuse
+    try:
+        split = lc.Layout(lc.Mesh({"dp": 2}), [(".*", lc.P("dp"))])  # each rank writes its own rows
+        lc.save(os.path.join(base, "ck"), {"w": STATE["w"][2 * rank : 2 * rank + 2]}, split, group=group)
+    except lc.SaveError as err:
+        return str(err)
+    finally:
+        _staging.Staged.view = real
+    return None
+
+
+def test_a_synchronous_save_that_cannot_view_a_tensor_on_one_rank_fails_on_every_rank(ranks, tmp_path):
+    """The live tensors are viewed inside the write's failure handling: the other ranks hear of
+    it at the commit's agreement, rather than wait there for a rank that has left."""
+    got = ranks.run(_view_fails_on_rank_1, 2, str(tmp_path), timeout=60)
+    assert all(g is not None and "rank 1: RuntimeError: cannot view this tensor" in g for g in got), got
+    assert os.listdir(tmp_path) == []
