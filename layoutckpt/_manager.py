@@ -475,7 +475,17 @@ class CheckpointManager:
         def read(like: Any) -> Any:
             return load_piece(path, like, **kw) if piece else load(path, layout, like=like, **kw)
 
-        return restore_state(path, model, optimizer, template, read, strict=strict, options=options)
+        return restore_state(
+            path,
+            model,
+            optimizer,
+            template,
+            read,
+            strict=strict,
+            options=options,
+            layout=None if piece else layout,
+            group=self._group,  # a piece holds this rank's own names
+        )
 
     def load_rank_state(self, step: int | None = None, *, redistribute: Any = None) -> Any:
         """This rank's ``rank_state=`` of ``step`` (default: the latest); see ``lc.load_rank_state``.

@@ -4,8 +4,8 @@
 optimizer's state by fully-qualified parameter names (not by the optimizer's integer ids, which
 change when the model is wrapped differently), hands FSDP2 and tensor-parallel parameters over
 as DTensors, and creates the optimizer's state when a fresh optimizer has none yet, which gives a
-freshly parallelized model a complete template to load into. What is left here is to store that
-tree and to give it back.
+freshly parallelized model a complete template to load into (the optimizer is given back its
+empty state). What is left here is to store that tree and to give it back.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import attrs
 
 from ._load import load
 from ._reader import Reader
-from .base._errors import TemplateMismatchError
+from .base._errors import TemplateMismatchError, same_kind
 from .layout._layout import Layout
+from .layout._names import to_global
 from .layout._tree import flatten
+from .torch._dist import Failure, comm_for, fail_together
 
 
 def _optimizers(optimizer: Any) -> tuple[Any, ...]:
@@ -37,13 +39,20 @@ def get_state(model: Any, optimizer: Any = None, *, options: Any = None) -> dict
     Keys are fully-qualified parameter names; sharded parameters and optimizer moments are
     DTensors, so ``lc.save(path, state)`` needs no layout. ``optimizer`` may be one optimizer,
     a list of them, or None (model only). ``options`` is a ``StateDictOptions``.
+
+    An optimizer that has not stepped yet gets a state made for the tree (its moments' shapes
+    and shardings, a template to load into), but keeps none itself: ``get_state_dict`` makes it
+    with a step at learning rate 0, which AdamW would count as a step of the run.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     optims = _optimizers(optimizer)
     if not optims:
         return {"model": get_model_state_dict(model, options=options)}
+    fresh = [o for o in optims if not o.state]
     model_state, optim_state = get_state_dict(model, optims, options=options)
+    for o in fresh:
+        o.state.clear()
     return {"model": model_state, "optim": optim_state}
 
 
@@ -93,6 +102,7 @@ class _Plan:
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
     warning: str | None = None
+    unstepped: bool = False  # the optimizer has parameters whose state the checkpoint lacks (not stepped)
 
 
 def load_state(
@@ -129,7 +139,36 @@ def load_state(
     def read(like: Any) -> Any:
         return load(path, layout, like=like, strict=False, group=group)
 
-    return restore_state(path, model, optimizer, template, read, strict=strict, options=options)
+    return restore_state(
+        path, model, optimizer, template, read, strict=strict, options=options, layout=layout, group=group
+    )
+
+
+def _refused(failures: list[Failure]) -> Exception:
+    return same_kind(f.kind for f in failures)(
+        "load_state was refused on other ranks, so no rank loads: " + "; ".join(map(str, failures))
+    )
+
+
+@attrs.frozen
+class NameMap:
+    """How this rank's names are stored under a load's layout: through its name rules (a
+    pipeline stage's local layer numbers), and whether this rank's model is all of the stored
+    one, or a part of it (stage axes, or name rules: the other ranks hold the rest)."""
+
+    rules: tuple[Any, ...] = ()
+    coords: Any = None
+    whole: bool = True
+
+    @classmethod
+    def of(cls, layout: Layout | None, rank: int) -> NameMap:
+        if layout is None or not (layout.names or layout.stage_axes):
+            return cls()
+        return cls(tuple(layout.names), layout.mesh.coords(rank), whole=False)
+
+    def stored(self, names: list[str]) -> dict[str, str]:
+        """{name in this rank's state: its stored name}."""
+        return to_global(self.rules, names, self.coords) if self.rules else {n: n for n in names}
 
 
 def restore_state(
@@ -141,17 +180,29 @@ def restore_state(
     *,
     strict: bool,
     options: Any,
+    layout: Layout | None,
+    group: Any,
 ) -> LoadStateResult:
     """``load_state`` given the model's ``get_state`` already (``template``), its arrays read
-    into a template by ``read``: a manager reads a fast-tier piece its own way."""
-    with Reader(path) as rd:
-        where, step = rd.path, rd.step
-        plan = _plan(template, rd, strict, bool(_optimizers(optimizer)))
+    into a template by ``read`` (a manager reads a fast-tier piece its own way, of this rank's
+    own names: ``layout`` None). A plan refused on one rank is refused on every rank of
+    ``group``, before any rank reads: the others would wait for it in the load."""
+    comm = comm_for(group)
+    try:
+        with Reader(path) as rd:
+            where, step = rd.path, rd.step
+            plan = _plan(template, rd, strict, bool(_optimizers(optimizer)), NameMap.of(layout, comm.rank))
+    except Exception as err:
+        fail_together(comm, err, _refused)
+        raise
+    fail_together(comm, None, _refused)
     if plan.warning is not None:
         warnings.warn(plan.warning, UserWarning, stacklevel=3)  # the caller of load_state
     state = read(plan.like)
     model_state = state["model"] if plan.nested else state
-    lenient = _lenient(options) if any(n.startswith("model.") for n in plan.missing) else options
+    # Torch refuses a model lacking entries, or an optimizer lacking a parameter's state, which
+    # the plan has allowed: the one under strict=False, the other for parameters never stepped.
+    lenient = _lenient(options) if plan.unstepped or any(n.startswith("model.") for n in plan.missing) else options
     if plan.optimizer:
         set_state(model, optimizer, state, options=lenient)
     else:
@@ -160,47 +211,75 @@ def restore_state(
     return LoadStateResult(where, step, restored, plan.missing, plan.unexpected)
 
 
-def _plan(template: dict[str, Any], rd: Reader, strict: bool, with_optimizer: bool) -> _Plan:
+def _plan(template: dict[str, Any], rd: Reader, strict: bool, with_optimizer: bool, names: NameMap) -> _Plan:
     """What to load of the checkpoint ``rd`` into ``template`` (``get_state``'s tree), checked
-    before anything is read or changed."""
+    before anything is read or changed. Names are compared as stored (``names``)."""
     stored = set(rd.keys()) | set(rd.value_keys()) | set(rd.aliases)
     model = template["model"]
-    nested = _is_nested(model, stored, rd.path)
-    prefix = "model." if nested else ""
-    absent = [k for k in model if not all(prefix + n in stored for n in _leaf_names(k, model[k]))]
+    leaves = {k: _leaf_names(k, model[k]) for k in model}
+    optim_names = [f"optim.{n}" for n in flatten(template.get("optim", {}))[1]]
+    as_nested = names.stored([f"model.{n}" for ns in leaves.values() for n in ns] + optim_names)
+    as_plain = names.stored([n for ns in leaves.values() for n in ns])
+    nested = _is_nested(leaves, stored, rd.path, as_nested, as_plain)
+    name, prefix = (as_nested, "model.") if nested else (as_plain, "")
+    absent = [k for k in model if not all(name[prefix + n] in stored for n in leaves[k])]
     if absent and strict:
         raise TemplateMismatchError(
             f"checkpoint {rd.path!r} lacks {len(absent)} of the model's {len(model)} entries, e.g. "
             f"{absent[:5]}; pass strict=False to restore the rest"
         )
     kept = {k: v for k, v in model.items() if k not in absent}
-    lacking, warning = _optimizer_part(template, stored, nested, strict, rd.path) if with_optimizer else ([], None)
+    held = stored if nested else set()  # a plain state_dict holds no optimizer state
+    optim = _stepped_only(template["optim"], held, name) if with_optimizer else {}
+    lacking, warning = _optimizer_part(optim, held, name, strict, rd.path) if with_optimizer else ([], None)
     optimizer = with_optimizer and not lacking
     like: Any = kept
     if nested:
-        like = {"model": kept, "optim": template["optim"]} if optimizer else {"model": kept}
-    used = {rd.aliases.get(n, n) for n in flatten(like)[1]}
-    # What the model (and a restored optimizer) could have taken: in a checkpoint of
-    # ``get_state``, the arrays under ``model.`` (and ``optim.``); other entries (a data
-    # loader's position, say) are the caller's, as is optimizer state nobody asked for.
-    ours = ("model.", "optim.") if optimizer else ("model.",)
-    unexpected = [a for a in rd.keys() if a not in used and (not nested or a.startswith(ours))]
+        like = {"model": kept, "optim": optim} if optimizer else {"model": kept}
+    unexpected = _unexpected(rd, like, name, nested, optimizer) if names.whole else []
     if unexpected and strict:
         raise TemplateMismatchError(
             f"checkpoint {rd.path!r} holds arrays the model lacks, e.g. {unexpected[:5]}; "
             "pass strict=False to ignore them"
         )
     missing = tuple(f"model.{k}" for k in absent) + tuple(lacking)
-    return _Plan(like, nested, optimizer, missing, tuple(unexpected), warning)
+    unstepped = optimizer and len(flatten(optim)[1]) < len(optim_names)
+    return _Plan(like, nested, optimizer, missing, tuple(unexpected), warning, unstepped)
+
+
+def _unexpected(rd: Reader, like: Any, name: dict[str, str], nested: bool, optimizer: bool) -> list[str]:
+    """The stored arrays the model (and a restored optimizer) could have taken but do not: in a
+    checkpoint of ``get_state``, those under ``model.`` (and ``optim.``); other entries (a data
+    loader's position, say) are the caller's, as is optimizer state nobody asked for. Only
+    where this rank's model is the whole stored one: a pipeline stage's is a part of it."""
+    used = {rd.aliases.get(name[n], name[n]) for n in flatten(like)[1]}
+    ours = ("model.", "optim.") if optimizer else ("model.",)
+    return [a for a in rd.keys() if a not in used and (not nested or a.startswith(ours))]
+
+
+def _stepped_only(optim: dict[str, Any], stored: set[str], name: dict[str, str]) -> dict[str, Any]:
+    """The optimizer's template less the state of the parameters the checkpoint holds none of:
+    the saved optimizer had not stepped them (an unused module, an expert no token reached),
+    and ``get_state`` saves no state for those. ``name``: a name in the state -> as stored."""
+    if isinstance(optim.get("state"), dict):
+        state = {
+            fqn: kv
+            for fqn, kv in optim["state"].items()
+            if any(name.get(n, n) in stored for n in flatten({"optim": {"state": {fqn: kv}}})[1])
+        }
+        return {**optim, "state": state}
+    held = {k.rsplit(".", 1)[0] for k in optim if k.startswith("state.") and name.get(f"optim.{k}") in stored}
+    return {k: v for k, v in optim.items() if not k.startswith("state.") or k.rsplit(".", 1)[0] in held}
 
 
 def _optimizer_part(
-    template: dict[str, Any], stored: set[str], nested: bool, strict: bool, where: str
+    optim: dict[str, Any], stored: set[str], name: dict[str, str], strict: bool, where: str
 ) -> tuple[list[str], str | None]:
     """The optimizer's names the checkpoint lacks (it is restored whole or not at all), and the
     warning to give when it is not restored; part of it stored raises under ``strict``."""
-    _, leaves = flatten(template["optim"])
-    lacking = [f"optim.{n}" for n in leaves if not (nested and f"optim.{n}" in stored)]
+    nested = bool(stored)
+    _, leaves = flatten(optim)
+    lacking = [f"optim.{n}" for n in leaves if name.get(f"optim.{n}") not in stored]
     if not lacking:
         return [], None
     partly = len(lacking) < len(leaves)
@@ -217,18 +296,20 @@ def _optimizer_part(
     )
 
 
-def _is_nested(model: dict[str, Any], stored: set[str], where: str) -> bool:
+def _is_nested(
+    leaves: dict[str, list[str]], stored: set[str], where: str, as_nested: dict[str, str], as_plain: dict[str, str]
+) -> bool:
     """Whether the checkpoint holds the model under ``model.`` (saved from ``get_state``) or at
-    its top (a plain ``state_dict()``): the reading under which more of the model's names exist.
-    A plain state dict of a model that has a ``model`` submodule (Hugging Face's
+    its top (a plain ``state_dict()``): the reading under which more of the model's entries
+    exist. A plain state dict of a model that has a ``model`` submodule (Hugging Face's
     ``LlamaForCausalLM``) names ``model.layers...``, which only the plain reading finds."""
-    nested = sum(f"model.{k}" in stored for k in model)
-    plain = sum(k in stored for k in model)
-    if model and not nested and not plain:
+    nested = sum(all(as_nested[f"model.{n}"] in stored for n in ns) for ns in leaves.values())
+    plain = sum(all(as_plain[n] in stored for n in ns) for ns in leaves.values())
+    if leaves and not nested and not plain:
         raise TemplateMismatchError(
-            f"checkpoint {where!r} holds none of the model's {len(model)} parameters and buffers, neither "
+            f"checkpoint {where!r} holds none of the model's {len(leaves)} parameters and buffers, neither "
             f"under 'model.' (as saved from lc.get_state) nor at its top (a plain state_dict): the model "
-            f"has e.g. {list(model)[:3]}, the checkpoint {sorted(stored)[:3]}; was it saved from another model?"
+            f"has e.g. {list(leaves)[:3]}, the checkpoint {sorted(stored)[:3]}; was it saved from another model?"
         )
     return nested >= plain
 

@@ -71,7 +71,7 @@ def test_a_plain_state_dict_restores_the_model_and_says_the_optimizer_is_not(tmp
     assert done.path == str(tmp_path / "plain") and done.step == 7 and done.restored == ("model",)
     assert done.missing and all(n.startswith("optim.state.") or n.startswith("optim.param") for n in done.missing)
     assert done.unexpected == ()
-    assert all(not m.any() for m in moments(opt))  # the fresh optimizer's own (zero) state
+    assert opt.state_dict()["state"] == {}  # the fresh optimizer's own state: none yet
     text = repr(done)
     assert len(text) < 300 and text.startswith("LoadStateResult(path=") and "more)" in text
     # Without an optimizer: no warning, nothing missing.
@@ -131,7 +131,7 @@ def test_a_checkpoint_of_another_model_is_named_as_such(tmp_path):
 def test_part_of_an_optimizer_state_is_refused_under_strict(tmp_path):
     model, opt = trained(Net())
     state = lc.get_state(model, opt)
-    del state["optim"]["state"]["head.bias"]
+    del state["optim"]["state"]["head.bias"]["exp_avg"]  # a parameter's whole state missing means "not stepped"
     lc.save(tmp_path / "cut", state)
     target, target_opt = fresh()
     with pytest.raises(lc.TemplateMismatchError, match="part of the optimizer's state only"):
@@ -140,3 +140,55 @@ def test_part_of_an_optimizer_state_is_refused_under_strict(tmp_path):
         done = lc.load_state(tmp_path / "cut", target, target_opt, strict=False)
     assert done.restored == ("model",) and "optim.state.head.bias.exp_avg" in done.missing
     assert same(target, model)
+
+
+class WithUnused(Net):
+    """A model with a module no loss reaches, as an expert no token is routed to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(8, 8)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> float:
+    tokens = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(seed))
+    loss = model.head(model.norm(model.embed(tokens))).logsumexp(-1).mean() * model.scale
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_parameters_the_optimizer_never_stepped_resume_without_state(tmp_path):
+    """AdamW holds no state for ``unused``: the checkpoint holds none, and a fresh optimizer
+    restores the rest under strict, with the losses of the run that went on."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for seed in range(3):
+        _step(model, opt, seed)
+    lc.save(tmp_path / "ck", lc.get_state(model, opt))
+    went_on = [_step(model, opt, seed) for seed in (3, 4)]
+
+    torch.manual_seed(9)
+    target = WithUnused()
+    target_opt = torch.optim.AdamW(target.parameters(), lr=0.05)
+    done = lc.load_state(tmp_path / "ck", target, target_opt)
+    assert done.restored == ("model", "optimizer") and done.missing == ()
+    assert [_step(target, target_opt, seed) for seed in (3, 4)] == went_on
+
+
+def test_get_state_leaves_an_optimizer_that_has_not_stepped_as_it_was(tmp_path):
+    """``get_state_dict`` makes a fresh optimizer's state (a template to load into) with a step
+    at lr 0, which AdamW counts: a save before the first step must not change the run."""
+    runs = []
+    for save_first in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        if save_first:
+            state = lc.get_state(model, opt)
+            assert state["optim"]["state"] and opt.state_dict()["state"] == {}
+            lc.save(tmp_path / "at0", state)
+        runs.append([_step(model, opt, seed) for seed in range(3)])
+    assert runs[0] == runs[1]

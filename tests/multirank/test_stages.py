@@ -240,3 +240,56 @@ def test_each_stage_saves_its_own_flat_buffer(ranks: RankPool, tmp_path) -> None
         for i, (name, _) in enumerate(stage_params(stage)):
             assert np.array_equal(reader.read(f"optim.{stage}.{name}"), values[i].numpy()), name
     assert np.array_equal(reader.read("shared.s"), np.arange(6.0))
+
+
+class _Stage(torch.nn.Module):
+    """Pipeline stage ``s`` of ``layers`` linear layers (``per`` a stage), named from 0 on each
+    stage (``local``) or by their place in the whole model."""
+
+    def __init__(self, s: int, per: int, local: bool, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed + s)
+        first = 0 if local else s * per
+        self.layers = torch.nn.ModuleDict({str(first + i): torch.nn.Linear(4, 4) for i in range(per)})
+
+
+def _stage_layout(local: bool, per: int) -> lc.Layout:
+    names = [lc.Renumber(r"(?:^|\.)layers\.(\d+)\.", "pp", per=per)] if local else []
+    return lc.Layout(lc.Mesh({"pp": 2}), [(r".*", lc.P())], stages="pp", names=names)
+
+
+def _stage_round_trip(rank: int, group, path: str, local: bool) -> tuple[bool, str | None]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)  # param_groups per parameter, as torchtitan
+    stage = _Stage(rank, 2, local, seed=0)
+    opt = torch.optim.AdamW(stage.parameters(), lr=0.1)
+    for p in stage.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    lc.save(path, lc.get_state(stage, opt, options=flat), _stage_layout(local, 2), group=group)
+    fresh = _Stage(rank, 2, local, seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    done = lc.load_state(path, fresh, fresh_opt, _stage_layout(local, 2), group=group, options=flat)  # strict
+    same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), stage.state_dict().values()))
+    moments = [s["exp_avg"] for s in fresh_opt.state.values()], [s["exp_avg"] for s in opt.state.values()]
+    same = same and done.unexpected == () and all(torch.equal(a, b) for a, b in zip(*moments, strict=True))
+    grown = _Stage(
+        rank, 3, local, seed=5
+    )  # 6 layers now, 3 a stage: stage 1 holds 3 to 5, of which 4 and 5 are not stored
+    try:
+        lc.load_state(path, grown, None, _stage_layout(local, 3), group=group)
+    except lc.TemplateMismatchError as err:
+        return same, str(err)
+    return same, None
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-names", "global-names"])
+def test_pipeline_stages_load_state_under_strict(ranks: RankPool, tmp_path, local: bool) -> None:
+    """Each stage holds part of the model: the arrays of the other stages are not "unexpected",
+    and a stage's names are checked as stored (a local ``layers.0`` of stage 1 is ``layers.2``).
+    A model that grew is refused on every rank, the stage that lacks layers naming them."""
+    (same0, err0), (same1, err1) = ranks.run(_stage_round_trip, 2, str(tmp_path / "ck"), local)
+    assert same0 and same1
+    assert err1 is not None and "lacks 4 of the model's 6 entries" in err1, err1  # global layers 4 and 5
+    assert err0 is not None and "rank 1: TemplateMismatchError" in err0, err0
