@@ -52,10 +52,17 @@ def _selector(select: Select, stored: list[str]) -> set[str] | None:
     if select is None:
         return None
     if isinstance(select, str | re.Pattern):
-        regex = re.compile(select)
+        try:
+            regex = re.compile(select)
+        except re.error as err:
+            raise ValueError(f"select={select!r} is not a valid regular expression: {err}") from None
         return {n for n in stored if regex.search(n)}
     if callable(select):
         return {n for n in stored if select(n)}
+    if not isinstance(select, Iterable) or isinstance(select, bytes):
+        raise TypeError(
+            f"select= takes a regex, a collection of names or a predicate, got {type(select).__name__} {select!r}"
+        )
     wanted = set(select)
     unknown = sorted(wanted - set(stored))
     if unknown:

@@ -7,6 +7,7 @@ metadata alone and fetches only the inner chunks the requested slice overlaps.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +63,12 @@ class ArrayInfo:
     def nbytes(self) -> int:
         """Bytes of the whole array, uncompressed: the number of elements times the item size."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def similar_names(name: str, known: list[str], n: int = 5) -> list[str]:
+    """The names of ``known`` closest to ``name``: by spelling (a typo), else those that hold it
+    or that it holds (a prefix forgotten or added)."""
+    return difflib.get_close_matches(name, known, n=n, cutoff=0.6) or [k for k in known if name in k or k in name][:n]
 
 
 class Reader:
@@ -142,8 +149,12 @@ class Reader:
         try:
             return self.meta.arrays[self.aliases.get(name, name)]
         except KeyError:
-            close = [k for k in self.meta.arrays if name in k or k in name][:5]
+            if not isinstance(name, str):
+                raise TypeError(f"array names are str, got {type(name).__name__} {name!r}") from None
+            close = similar_names(name, [*self.meta.arrays, *self.aliases])
             hint = f"; similar names: {close}" if close else ""
+            if name in self._values:
+                hint = " (it is a JSON value, which read() returns)"
             raise KeyError(f"no array {name!r} in checkpoint {self.path!r}{hint}; rd.keys() lists them") from None
 
     def info(self, name: str) -> ArrayInfo:
@@ -196,8 +207,8 @@ class Reader:
         into one buffer pays for fresh memory once.
         """
         if name in self._values:
-            if out is not None:
-                raise TemplateMismatchError(f"{name!r} is a JSON value, not an array; read it without out=")
+            if out is not None or index is not None:
+                raise TemplateMismatchError(f"{name!r} is a JSON value, not an array; read it without an index or out=")
             return decode_value(self._values[name])
         stored = self.aliases.get(name, name)
         meta = self._array(stored)

@@ -20,6 +20,7 @@ import attrs
 
 from ._load import load
 from ._reader import Reader
+from .base._arguments import check_model_arguments
 from .base._errors import TemplateMismatchError, same_kind
 from .layout._layout import Layout
 from .layout._names import to_global
@@ -46,6 +47,7 @@ def get_state(model: Any, optimizer: Any = None, *, options: Any = None) -> dict
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    check_model_arguments("get_state", model, optimizer)
     optims = _optimizers(optimizer)
     if not optims:
         return {"model": get_model_state_dict(model, options=options)}
@@ -134,6 +136,7 @@ def load_state(
 
     Returns a ``LoadStateResult``: what was restored, the step, and the names missing.
     """
+    check_model_arguments("load_state", model, optimizer, path)
     template = get_state(model, optimizer, options=options)
 
     def read(like: Any) -> Any:

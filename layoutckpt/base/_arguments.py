@@ -64,3 +64,20 @@ def check_load_arguments(verb: str, path: Any, layout: Any, layout_type: type) -
             f"{order} takes an lc.Layout as its second argument, got {_what(layout)}; pass a template as like="
         )
     raise TypeError(f"{order} takes an lc.Layout (or None) as layout, got {_what(layout)}")
+
+
+def check_model_arguments(verb: str, model: Any, optimizer: Any, path: Any = None) -> None:
+    """Raise ``TypeError`` naming the mistake when ``get_state``'s or ``load_state``'s model and
+    optimizer are not a module and optimizers (or ``path`` is no path: arguments swapped)."""
+    import torch
+
+    order = f"lc.{verb}(path, model, optimizer)" if verb == "load_state" else f"lc.{verb}(model, optimizer)"
+    if verb == "load_state" and not _is_path(path):
+        swapped = ": pass the path first" if _is_path(model) or _is_path(optimizer) else ""
+        raise TypeError(f"{order} takes the checkpoint's path first; got {_what(path)} as path{swapped}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{order} takes a torch.nn.Module as model, got {_what(model)}")
+    optims = optimizer if isinstance(optimizer, list | tuple) else [] if optimizer is None else [optimizer]
+    wrong = next((o for o in optims if not isinstance(o, torch.optim.Optimizer)), None)
+    if wrong is not None:
+        raise TypeError(f"{order} takes a torch optimizer, a list of them or None as optimizer, got {_what(wrong)}")

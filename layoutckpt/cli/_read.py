@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import math
 import sys
@@ -11,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .._reader import Reader
+from .._reader import Reader, similar_names
 from ..engine import _readplan
 from ..engine._read import BoxRead
 from ..format._dtypes import ZARR_TO_NUMPY
@@ -25,7 +24,7 @@ def array_or_value(rd: Reader, name: str) -> None:
     if name in rd:
         return
     known = [*rd.keys(), *rd.aliases, *rd.value_keys()]
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6) or [k for k in known if name in k][:3]
+    close = similar_names(name, known, n=3)
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
     raise NotFound(f"no array or value {name!r} in checkpoint {rd.path!r}{hint} (`layoutckpt ls {rd.path}` lists them)")
 

@@ -33,6 +33,8 @@ _RULE_KEYS_TEXT = "'match' and 'spec' (and an optional 'note')"
 
 
 def _parse_rules(rules: Iterable[tuple[str, Spec]]) -> tuple[Rule, ...]:
+    if not isinstance(rules, Iterable) or isinstance(rules, str | Mapping):
+        raise LayoutError(f"Layout rules must be a list of (pattern, P(...)) pairs, got {rules!r}")
     parsed: list[Rule] = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple) and len(rule) == 2):
@@ -54,6 +56,8 @@ def _parse_rules(rules: Iterable[tuple[str, Spec]]) -> tuple[Rule, ...]:
 
 
 def _stage_axes(value: str | Iterable[str]) -> tuple[str, ...]:
+    if not isinstance(value, str | Iterable):
+        raise LayoutError(f"stages must be a mesh axis name or a tuple of distinct names, got {value!r}")
     axes = (value,) if isinstance(value, str) else tuple(value)
     if not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
         raise LayoutError(f"stages must be a mesh axis name or a tuple of distinct names, got {value!r}")

@@ -19,6 +19,8 @@ SpecEntry = None | str | tuple[str, ...]
 
 
 def _axes_from_mapping(axes: Mapping[str, int] | tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    if not isinstance(axes, Mapping | tuple | list):
+        raise LayoutError(f"Mesh takes a mapping of axis names to sizes, such as {{'dp': 2, 'tp': 4}}; got {axes!r}")
     items = tuple(axes.items()) if isinstance(axes, Mapping) else tuple(axes)
     seen: set[str] = set()
     for item in items:

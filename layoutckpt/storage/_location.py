@@ -505,7 +505,8 @@ def _subdirs(folder: Path) -> list[str]:
     try:
         with os.scandir(folder) as entries:
             for e in entries:
-                if e.is_dir():
+                # A save's staging directory or a checkpoint set aside is no checkpoint to name.
+                if e.is_dir() and not _commit.LEFTOVER.match(e.name):
                     names.append(e.name)
                 if len(names) >= 256:
                     break

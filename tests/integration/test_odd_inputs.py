@@ -154,3 +154,39 @@ def test_a_lazily_negated_tensor_saves_its_values(tmp_path, dtype):
     assert negated.is_neg()
     lc.save(tmp_path / "ck", {"w": negated})
     assert torch.equal(lc.load(tmp_path / "ck")["w"], -torch.arange(4, dtype=dtype))
+
+
+def test_malformed_arguments_get_typed_errors_that_name_them(tmp_path):
+    lc.save(tmp_path / "ck", {"model": {"layers": {"0": {"weight": np.ones(2)}}}, "lr": 0.5})
+    with pytest.raises(ValueError, match=r"select='\(' is not a valid regular expression"):
+        lc.load(tmp_path / "ck", select="(")
+    with pytest.raises(TypeError, match="select= takes a regex"):
+        lc.load(tmp_path / "ck", select=3)
+    for make in (lambda: lc.Mesh(None), lambda: lc.Layout(lc.Mesh({"pp": 2}), None)):
+        with pytest.raises(lc.LayoutError, match=r"Mesh takes a mapping|Layout rules must be a list"):
+            make()
+    with pytest.raises(lc.LayoutError, match="stages must be a mesh axis name"):
+        lc.Layout(lc.Mesh({"pp": 2}), [(".*", lc.P())], stages=3)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"takes a torch.nn.Module as model, got a torch SGD"):
+        lc.get_state(opt)
+    with pytest.raises(TypeError, match="takes the checkpoint's path first; got a torch Linear as path"):
+        lc.load_state(model, tmp_path / "ck", opt)
+    with lc.open(tmp_path / "ck") as rd:
+        with pytest.raises(KeyError, match=r"similar names: \['model.layers.0.weight'\]"):
+            rd.read("model.layers.0.wieght")
+        with pytest.raises(KeyError, match="it is a JSON value, which read"):
+            rd.info("lr")
+        with pytest.raises(lc.TemplateMismatchError, match="without an index"):
+            rd.read("lr", np.s_[0])
+
+
+def test_a_missing_checkpoint_is_not_pointed_at_a_staging_directory(tmp_path):
+    (tmp_path / "run" / ".ck.tmp-0123456789ab" / "w").mkdir(parents=True)
+    (tmp_path / "run" / ".ck.tmp-0123456789ab" / "zarr.json").write_text(
+        '{"node_type": "group", "attributes": {"layoutckpt": {}}}'
+    )
+    with pytest.raises(lc.CheckpointNotFoundError) as err:
+        lc.open(tmp_path / "run")
+    assert "tmp-" not in str(err.value), err.value
