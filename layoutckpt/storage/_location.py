@@ -320,6 +320,27 @@ class LocalDir(Location):
         _commit.remove_tree(self.root)
 
 
+def read_bounded(kv: ts.KvStore, key: str, max_bytes: int) -> bytes | None:
+    """The value at ``key`` of ``kv``, None where there is none; ``NotRegularFile`` (EFBIG) for one
+    past ``max_bytes``, known from the byte past the limit before the value is downloaded: a
+    key-value store tells no size before a read, and a range past the end is OUT_OF_RANGE."""
+    try:
+        past = kv.read(key, byte_range=slice(max_bytes, max_bytes + 1)).result()
+    except ValueError as err:
+        if "OUT_OF_RANGE" not in str(err):
+            raise
+    else:
+        if past.state != "value":
+            return None
+        raise _os.NotRegularFile(errno.EFBIG, f"more than {max_bytes} bytes, the limit", key)
+    got = kv.read(key).result()
+    if got.state != "value":
+        return None
+    if len(got.value) > max_bytes:  # written meanwhile
+        raise _os.NotRegularFile(errno.EFBIG, f"{len(got.value)} bytes, above the limit of {max_bytes}", key)
+    return bytes(got.value)
+
+
 def check_outside_checkpoints(path: Path, what: str, *, itself: bool = False) -> None:
     """Refuse to write ``what`` at ``path`` inside a committed checkpoint (or any Zarr group),
     through links too: its files would become members that plain zarr lists, and that
@@ -386,12 +407,7 @@ class KvPrefix(MarkerCommit):
         return ts.KvStore.open(self.spec, context=shared_context()).result()
 
     def read(self, key: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> bytes | None:
-        got = self._kv.read(key).result()
-        if got.state != "value":
-            return None
-        if len(got.value) > max_bytes:
-            raise _os.NotRegularFile(errno.EFBIG, f"{len(got.value)} bytes, above the limit of {max_bytes}", key)
-        return bytes(got.value)
+        return read_bounded(self._kv, key, max_bytes)
 
     def write(self, key: str, data: bytes) -> None:
         self._kv.write(key, data).result()

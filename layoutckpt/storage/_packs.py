@@ -16,7 +16,6 @@ the database (``in_pack``), so a checkpoint is found, listed and committed as an
 
 from __future__ import annotations
 
-import errno
 import functools
 import math
 import threading
@@ -35,8 +34,8 @@ from ..base._options import IOConfig
 from ..base._workers import Workers
 from ..format import _ocdbt
 from ..layout._plan import Box, shard_cell
-from . import _os, _packindex, _shardfile, _store
-from ._location import MAX_DOCUMENT_BYTES, LocalDir
+from . import _packindex, _shardfile, _store
+from ._location import MAX_DOCUMENT_BYTES, LocalDir, read_bounded
 from ._packindex import rank_base
 from ._readers import BoxReader, PackedFileReader, TensorStoreReader
 from ._writers import BoxWriter, Source, staged_size
@@ -83,12 +82,11 @@ class PackView:
         """A document: from the database where ``in_pack`` says so, else a plain object."""
         if not in_pack(key):
             return self.location.read(key, max_bytes)
-        got = _store.read_result(self._kv.read(key), key, self.location.url)
-        if got.state != "value":
-            return None
-        if len(got.value) > max_bytes:
-            raise _os.NotRegularFile(errno.EFBIG, f"{len(got.value)} bytes, above the limit of {max_bytes}", key)
-        return packed_value(key, got.value, self.location.url)
+        try:
+            value = read_bounded(self._kv, key, max_bytes)
+        except ValueError as err:
+            raise _store.as_damage(err, key, self.location.url) from None
+        return None if value is None else packed_value(key, value, self.location.url)
 
     def box_reader(self, where: str, complete: bool, io: IOConfig) -> BoxReader:
         """The reader of the arrays: on a local disk, layoutckpt's own reader of the database's

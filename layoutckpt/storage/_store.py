@@ -98,11 +98,17 @@ def read_result(future: Any, name: str, where: str) -> Any:
     try:
         return future.result()
     except ValueError as err:
-        text = str(err)
-        code = text.partition(":")[0]
-        if code not in _DAMAGE_CODES and _UNDECODABLE not in text:
-            raise
-        raise damaged(name, where, missing=code == "NOT_FOUND", undecodable=code != "DATA_LOSS", detail=text) from None
+        raise as_damage(err, name, where) from None
+
+
+def as_damage(err: ValueError, name: str, where: str) -> Exception:
+    """TensorStore's error ``err`` of reading ``name``: an ``IntegrityError`` where it says that the
+    stored bytes are damaged, undecodable or missing, else ``err`` itself."""
+    text = str(err)
+    code = text.partition(":")[0]
+    if code not in _DAMAGE_CODES and _UNDECODABLE not in text:
+        return err
+    return damaged(name, where, missing=code == "NOT_FOUND", undecodable=code != "DATA_LOSS", detail=text)
 
 
 def damaged(name: str, where: str, *, missing: bool, detail: str, undecodable: bool = False) -> IntegrityError:

@@ -21,6 +21,7 @@ import tensorstore as ts
 import torch
 
 import layoutckpt as lc
+from layoutckpt.storage import _location
 from layoutckpt.storage._location import PENDING, KvPrefix, locate
 from tests.support.s3server import running
 
@@ -300,3 +301,26 @@ def test_a_manager_on_a_kvstore_spec_keeps_every_member_of_it(s3, monkeypatch):
         assert mgr.load()["w"].tolist() == list(range(5))
         mgr.delete(3)
         assert mgr.steps() == []
+
+
+def test_a_document_past_its_limit_is_refused_from_one_byte(s3):
+    """The byte past the limit is read first: a document past it is refused without being
+    downloaded; one at the limit, or missing, reads as before."""
+    loc = locate(_url())
+    loc.write("doc.json", b"x" * 10)
+    assert loc.read("doc.json", max_bytes=10) == b"x" * 10
+    assert loc.read("absent.json", max_bytes=10) is None
+    ranges = []
+    real_read = ts.KvStore.read
+
+    class Spy:
+        def __init__(self, kv):
+            self.kv = kv
+
+        def read(self, key, **kw):
+            ranges.append(kw.get("byte_range"))
+            return real_read(self.kv, key, **kw)
+
+    with pytest.raises(OSError, match="more than 9 bytes"):
+        _location.read_bounded(Spy(loc._kv), "doc.json", 9)
+    assert ranges == [slice(9, 10)]  # never the whole value

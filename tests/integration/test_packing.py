@@ -296,8 +296,8 @@ def test_each_data_file_starts_its_writeback_once_whole(tmp_path, monkeypatch):
     complete (``_os.start_writeback``), so the save's final sync does not find every file still
     in memory: each data file once, at its final size."""
     started: list[int] = []
-    real = _packs._os.start_writeback
-    monkeypatch.setattr(_packs._os, "start_writeback", lambda fd: (started.append(os.fstat(fd).st_size), real(fd)))
+    real = _os.start_writeback
+    monkeypatch.setattr(_os, "start_writeback", lambda fd: (started.append(os.fstat(fd).st_size), real(fd)))
     path = tmp_path / "wb"
     lc.save(path, pack_state(64, 16 << 10), packing="ocdbt", io=lc.IOConfig(direct_io=False, pack_bytes=256 << 10))
     sizes = sorted(f.stat().st_size for f in data_files(path))
