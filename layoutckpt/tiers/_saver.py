@@ -122,18 +122,30 @@ class Tiers:
     # The caller's thread -------------------------------------------------------------------------
     @collector_paused()
     def save(self, step: int, state: Any, layout: Any, *, metadata: Any, rank_state: Any, lazy: bool) -> SaveFuture:
-        """Copy ``state`` (now, or on a thread with ``lazy``), and queue its piece's write."""
-        self._report()
+        """Copy ``state`` (now, or on a thread with ``lazy``), and queue its piece's write. A
+        failure here (this rank's previous save, or this copy) is raised after this save's
+        collectives, which every rank takes in the same order whatever failed where."""
+        error: BaseException | None = None
+        try:
+            self._report()
+        except SaveError as err:
+            error = err
         self._start_deferred()
         t0 = time.perf_counter()
         self._throttle()
         info = {"rank": self.comm.rank, "world": self.comm.world, "layout": layout_key(layout)}
-        error: BaseException | None = None
         try:
-            staging = stage(
-                state, self._pool, step=step, metadata=metadata, rank_state=rank_state, info=info, last=self._last_tree
-            )
-            self._last_tree = Tree(staging.structure, staging.values)
+            if error is None:
+                staging = stage(
+                    state,
+                    self._pool,
+                    step=step,
+                    metadata=metadata,
+                    rank_state=rank_state,
+                    info=info,
+                    last=self._last_tree,
+                )
+                self._last_tree = Tree(staging.structure, staging.values)
         except Exception as err:  # noqa: BLE001 - raised below, after the ranks' persist agreement
             error = err
         decision = self._decide(step, error is not None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 
 import pytest
@@ -327,6 +328,42 @@ def test_a_replica_held_for_a_peer_reuses_its_documents_and_buffer_views(ranks, 
     received document and arrays are the previous round's objects where they are the same (no
     new objects for the garbage collector to promote every step)."""
     assert ranks.run(_steady_replicas, 2, uuid.uuid4().hex, os.fspath(tmp_path / "d")) == [(True, True, True)] * 2
+
+
+def _fast_write_fails_on_rank_1(rank, group, local, durable):
+    from layoutckpt.tiers import _saver
+
+    write = _saver.write_piece
+
+    def flaky(final, *args, **kwargs):
+        if rank == 1 and "00000002" in str(getattr(final, "url", final)):
+            raise OSError(28, "No space left on device (injected)")
+        return write(final, *args, **kwargs)
+
+    _saver.write_piece = flaky
+    got = []
+    try:
+        with lc.CheckpointManager(durable, local=local.format(rank=rank), persist_every=1, group=group) as mgr:
+            for step in (1, 2, 3, 4):
+                try:
+                    fut = mgr.save(step, {"w": torch.full((8,), float(step))})
+                    while step < 3 and not fut.done():  # unseen when step 3 starts, which raises it
+                        time.sleep(0.01)
+                    got.append("ok")
+                except lc.SaveError:
+                    got.append("SaveError")
+            mgr.wait()
+            return got, mgr.steps()
+    finally:
+        _saver.write_piece = write
+
+
+def test_a_fast_tier_write_failing_on_one_rank_keeps_the_ranks_in_step(ranks, tmp_path):
+    """Rank 1's step 2 fails: its step 3 raises, after that save's collectives, so the ranks'
+    later saves still meet in the same collectives and persist the same steps."""
+    local, durable = os.fspath(tmp_path / "fast{rank}"), os.fspath(tmp_path / "d")
+    got = ranks.run(_fast_write_fails_on_rank_1, 2, local, durable, timeout=60)
+    assert got[0] == (["ok"] * 4, [1, 4]) and got[1] == (["ok", "ok", "SaveError", "ok"], [1, 4]), got
 
 
 # --- DTensor states (FSDP2 / tensor parallel) -------------------------------------------------------
