@@ -18,7 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import _rankstate
-from .base._errors import TemplateMismatchError
+from .base._errors import IntegrityError, TemplateMismatchError
 from .base._options import IOConfig, io_config
 from .engine._read import BoxRead, OnDamage, read_boxes, read_into
 from .format._dtypes import numpy_dtype
@@ -216,9 +216,9 @@ class Reader:
         dtype = numpy_dtype(meta.dtype)
         if post is None:
             target = _out_array(out, name, box_shape(box), dtype) if out is not None else None
-            (data,) = read_into(self._reader, [BoxRead(stored, meta, box, target)], io=self._io, stream=True)
+            (data,) = self._read_into([BoxRead(stored, meta, box, target)], stream=True)
             return out if out is not None else data
-        (data,) = read_into(self._reader, [BoxRead(stored, meta, box)], io=self._io, stream=True)
+        (data,) = self._read_into([BoxRead(stored, meta, box)], stream=True)
         value = data[post]
         if out is None:
             return value
@@ -262,8 +262,27 @@ class Reader:
             box, post = index_box(index, meta.shape, name)
             requests.append(BoxRead(stored, meta, box))
             posts.append(post)
-        arrays = read_into(self._reader, requests, io=self._io)
+        arrays = self._read_into(requests)
         return [a if post is None else a[post] for a, post in zip(arrays, posts)]
+
+    def _read_into(self, requests: list[BoxRead], stream: bool = False) -> list[np.ndarray]:
+        """``read_into`` this checkpoint. Damage found in a checkpoint that was replaced or deleted
+        since this reader opened it says so: its shards are another save's, not damaged."""
+        try:
+            return read_into(self._reader, requests, io=self._io, stream=stream)
+        except IntegrityError as err:
+            if not self._replaced():
+                raise
+            raise IntegrityError(
+                f"checkpoint {self.path!r} was replaced or deleted since this reader opened it, so its "
+                f"files are no longer the ones it opened; open it again ({err})"
+            ) from err
+
+    def _replaced(self) -> bool:
+        try:
+            return _store.read_meta(self._root).save_id != self.meta.save_id
+        except (OSError, ValueError):  # deleted (CheckpointNotFoundError), or in the middle of a rename
+            return True
 
     def read_boxes(
         self, requests: Iterable[BoxRead], *, on_damage: OnDamage | None = None

@@ -300,3 +300,13 @@ def test_bound_sets_every_array_and_refuses_a_bad_id():
     with pytest.raises(ValueError, match="save id"):
         meta.bound("not hex")
     assert binding("0123456789abcdef", "w", (0,)) != binding("0123456789abcdef", "w", (1,))
+
+
+def test_a_reader_of_a_checkpoint_replaced_since_it_opened_says_so(tmp_path):
+    path = tmp_path / "ck"
+    lc.save(path, {"w": np.ones(4)})
+    with lc.open(path) as rd:
+        lc.save(path, {"w": np.full(4, 2.0)}, overwrite=True)
+        with pytest.raises(lc.IntegrityError, match="replaced or deleted since this reader opened it"):
+            rd.read("w")
+    assert lc.open(path).read("w").tolist() == [2.0] * 4
