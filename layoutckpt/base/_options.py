@@ -98,6 +98,22 @@ def _step(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
         raise ValueError(f"step= must be an int from 0 to 2**63 - 1, got {value}")
 
 
+# How a save may compress its inner chunks (``format._shard``): not at all, or one of these.
+COMPRESSIONS = (None, "zstd", "blosc")
+
+
+def _compression(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value not in COMPRESSIONS:
+        raise ValueError(f"compression= must be one of {COMPRESSIONS}, got {value!r}")
+
+
+def _packing(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value not in ("auto", "files", "ocdbt"):
+        raise ValueError(
+            f"packing= must be 'auto', 'files' (plain zarr) or 'ocdbt' (a few files per rank), got {value!r}"
+        )
+
+
 def _chunk_bytes(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"inner_chunk_bytes= must be a positive int (bytes; 2 MiB by default), got {value!r}")
@@ -122,10 +138,10 @@ class SaveOptions:
     overwrite: bool = False
     group: Any = None
     inner_chunk_bytes: int = attrs.field(default=2 << 20, validator=_chunk_bytes)
-    compression: str | None = None
+    compression: str | None = attrs.field(default=None, validator=_compression)
     # How the objects are stored: "files" (plain zarr), "ocdbt" (a few files per rank), or
     # "auto": "ocdbt" above a thousand objects (``storage._packs``).
-    packing: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "files", "ocdbt")))
+    packing: str = attrs.field(default="auto", validator=_packing)
     # save_async only: return before the copy is done; cap the staging buffers.
     lazy: bool = False
     host_memory_budget: int | None = None

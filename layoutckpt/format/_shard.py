@@ -19,9 +19,9 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..base._options import COMPRESSIONS
 from ..layout._plan import Box
 
-COMPRESSIONS = (None, "zstd", "blosc")
 ABSENT = 2**64 - 1  # both index entries of a chunk that is not stored
 CRC_BYTES = 4  # after every inner chunk, and after the shard index
 INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two uint64 per inner chunk of a shard

@@ -190,3 +190,13 @@ def test_a_missing_checkpoint_is_not_pointed_at_a_staging_directory(tmp_path):
     with pytest.raises(lc.CheckpointNotFoundError) as err:
         lc.open(tmp_path / "run")
     assert "tmp-" not in str(err.value), err.value
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [({"compression": "gzip"}, "compression= must be one of"), ({"packing": "zip"}, "packing= must be 'auto'")],
+)
+def test_storage_options_are_checked_before_anything_is_written(tmp_path, options, match):
+    with pytest.raises(ValueError, match=match):
+        lc.save(tmp_path / "ck", {"w": np.ones(2)}, **options)
+    assert list(tmp_path.iterdir()) == []
