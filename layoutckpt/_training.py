@@ -24,7 +24,7 @@ from .base._arguments import check_model_arguments
 from .base._errors import TemplateMismatchError, same_kind
 from .layout._layout import Layout
 from .layout._names import to_global
-from .layout._tree import flatten
+from .layout._tree import decode_value, flatten, leaf_nodes, unflatten
 from .torch._dist import Failure, comm_for, fail_together
 
 
@@ -233,7 +233,7 @@ def _plan(template: dict[str, Any], rd: Reader, strict: bool, with_optimizer: bo
         )
     kept = {k: v for k, v in model.items() if k not in absent}
     held = stored if nested else set()  # a plain state_dict holds no optimizer state
-    optim = _stepped_only(template["optim"], held, name) if with_optimizer else {}
+    optim = _stepped_only(_with_stored_groups(template["optim"], rd), held, name) if with_optimizer else {}
     lacking, warning = _optimizer_part(optim, held, name, strict, rd.path) if with_optimizer else ([], None)
     optimizer = with_optimizer and not lacking
     like: Any = kept
@@ -255,9 +255,32 @@ def _unexpected(rd: Reader, like: Any, name: dict[str, str], nested: bool, optim
     checkpoint of ``get_state``, those under ``model.`` (and ``optim.``); other entries (a data
     loader's position, say) are the caller's, as is optimizer state nobody asked for. Only
     where this rank's model is the whole stored one: a pipeline stage's is a part of it."""
-    used = {rd.aliases.get(name[n], name[n]) for n in flatten(like)[1]}
+    used = {rd.aliases.get(name.get(n, n), name.get(n, n)) for n in flatten(like)[1]}
     ours = ("model.", "optim.") if optimizer else ("model.",)
     return [a for a in rd.keys() if a not in used and (not nested or a.startswith(ours))]
+
+
+def _with_stored_groups(optim: dict[str, Any], rd: Reader) -> dict[str, Any]:
+    """The optimizer's template with its ``param_groups`` as the checkpoint stores them, where
+    both hold them as a list (each group naming its parameters): ``set_state_dict`` matches the
+    groups to the optimizer's by those names, so a new optimizer may list its groups in another
+    order or with other sizes, where matching by position would not fit."""
+    node = _child(rd.meta.tree, "optim", "param_groups")
+    if not isinstance(optim.get("param_groups"), list) or node is None or "list" not in node:
+        return optim
+    if any("array" in leaf for _, leaf in leaf_nodes(node)):
+        return optim  # a hyper-parameter stored as a tensor: the template's positions it is
+    return {**optim, "param_groups": unflatten(node, lambda _, leaf: decode_value(leaf))}
+
+
+def _child(tree: Any, *keys: str) -> Any:
+    """The node at ``keys`` of a stored tree (dict nodes), or None."""
+    node = tree
+    for key in keys:
+        node = dict(node["dict"]).get(key) if isinstance(node, dict) and "dict" in node else None
+        if node is None:
+            return None
+    return node
 
 
 def _stepped_only(optim: dict[str, Any], stored: set[str], name: dict[str, str]) -> dict[str, Any]:
@@ -271,7 +294,9 @@ def _stepped_only(optim: dict[str, Any], stored: set[str], name: dict[str, str])
             if any(name.get(n, n) in stored for n in flatten({"optim": {"state": {fqn: kv}}})[1])
         }
         return {**optim, "state": state}
-    held = {k.rsplit(".", 1)[0] for k in optim if k.startswith("state.") and name.get(f"optim.{k}") in stored}
+    held = {
+        k.rsplit(".", 1)[0] for k in optim if k.startswith("state.") and name.get(f"optim.{k}", f"optim.{k}") in stored
+    }
     return {k: v for k, v in optim.items() if not k.startswith("state.") or k.rsplit(".", 1)[0] in held}
 
 
@@ -282,7 +307,7 @@ def _optimizer_part(
     warning to give when it is not restored; part of it stored raises under ``strict``."""
     nested = bool(stored)
     _, leaves = flatten(optim)
-    lacking = [f"optim.{n}" for n in leaves if name.get(f"optim.{n}") not in stored]
+    lacking = [f"optim.{n}" for n in leaves if name.get(f"optim.{n}", f"optim.{n}") not in stored]
     if not lacking:
         return [], None
     partly = len(lacking) < len(leaves)

@@ -192,3 +192,29 @@ def test_get_state_leaves_an_optimizer_that_has_not_stepped_as_it_was(tmp_path):
             lc.save(tmp_path / "at0", state)
         runs.append([_step(model, opt, seed) for seed in range(3)])
     assert runs[0] == runs[1]
+
+
+def _grouped(model: nn.Module, reverse: bool) -> torch.optim.Optimizer:
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": matrices, "lr": 0.05, "weight_decay": 0.1},
+        {"params": others, "lr": 0.02, "betas": (0.8, 0.9)},
+    ]
+    return torch.optim.AdamW(groups[::-1] if reverse else groups)
+
+
+def test_param_groups_listed_in_another_order_restore_by_parameter(tmp_path):
+    """Groups of different sizes, listed the other way round by the resumed run: each group's
+    hyper-parameters follow its parameters, as ``set_state_dict`` matches them by name."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = _grouped(model, reverse=False)
+    for seed in range(2):
+        _step(model, opt, seed)
+    lc.save(tmp_path / "ck", lc.get_state(model, opt))
+    went_on = [_step(model, opt, seed) for seed in (2, 3)]
+    target, _ = fresh()
+    target_opt = _grouped(target, reverse=True)
+    assert lc.load_state(tmp_path / "ck", target, target_opt).restored == ("model", "optimizer")
+    assert [_step(target, target_opt, seed) for seed in (2, 3)] == went_on
