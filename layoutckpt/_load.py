@@ -36,7 +36,7 @@ from .layout._spec import P, check_spec
 from .layout._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 from .layout._views import Cut, Fused, Padded, part_name
 from .storage import _store
-from .storage._location import locate
+from .storage._location import Location, locate
 from .storage._packs import arrays_of
 from .storage._readers import BoxReader, Lease
 from .torch._dist import Comm, Failure, check_mesh, comm_for, fail_together
@@ -134,10 +134,8 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     reads in flight on the read engine's thread."""
     t0 = time.perf_counter()
     phases = Phases()
-    root = locate(path)
-    meta = _store.read_meta(root)
     comm = comm_for(options.group)
-    plan = _plan_on_every_rank(root.url, meta, layout, options, comm)
+    root, meta, plan = _plan_on_every_rank(path, layout, options, comm)
     reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
     bound = plan.device_bound()
     lent = plan.lent(meta, reader, bound)
@@ -319,20 +317,23 @@ def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options:
 
 
 def _plan_on_every_rank(
-    url: str, meta: CheckpointMeta, layout: Layout | None, options: LoadOptions, comm: Comm
-) -> _LoadPlan:
-    """``_plan_load``, and whether it failed on any rank: then every rank raises before it reads.
-    Some failures show only on some ranks (a template whose shard fits on one rank and not on
-    another), and a rank that loads while its peers raise goes on alone into the next
-    collective, where it hangs."""
+    path: str | os.PathLike[str], layout: Layout | None, options: LoadOptions, comm: Comm
+) -> tuple[Location, CheckpointMeta, _LoadPlan]:
+    """The checkpoint at ``path``, its metadata and ``_plan_load``, and whether any of them failed
+    on any rank: then every rank raises before it reads. Some failures show only on some ranks
+    (a template whose shard fits on one rank and not on another, a path one rank cannot see),
+    and a rank that loads while its peers raise goes on alone into the next collective, where
+    it hangs."""
     comm = comm.during("while the ranks planned a load")
     try:
-        plan = _plan_load(url, meta, layout, options, comm)
+        root = locate(path)
+        meta = _store.read_meta(root)
+        plan = _plan_load(root.url, meta, layout, options, comm)
     except Exception as err:
         fail_together(comm, err, _refused)
         raise
     fail_together(comm, None, _refused)
-    return plan
+    return root, meta, plan
 
 
 def _refused(failures: list[Failure]) -> Exception:

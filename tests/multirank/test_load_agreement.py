@@ -30,3 +30,18 @@ def test_a_template_that_fits_only_some_ranks_fails_the_load_on_every_rank(ranks
     mine, theirs = ranks.run(_grown, 2, str(tmp_path / "ck"))
     assert theirs is not None and "'w'" in theirs and "other ranks" not in theirs, theirs
     assert mine is not None and "rank 1: TemplateMismatchError" in mine and "'w'" in mine, mine
+
+
+def _missing_on_rank_1(rank: int, group, path: str) -> str:
+    lc.save(path, {"w": torch.arange(4.0)}, group=group)
+    try:
+        lc.load(path if rank == 0 else path + "-elsewhere", group=group)
+    except (lc.CheckpointNotFoundError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+def test_a_checkpoint_one_rank_cannot_find_fails_the_load_on_every_rank(ranks: RankPool, tmp_path: Path) -> None:
+    mine, theirs = ranks.run(_missing_on_rank_1, 2, str(tmp_path / "ck"), timeout=60)
+    assert theirs.startswith("CheckpointNotFoundError"), theirs
+    assert mine.startswith("RuntimeError") and "rank 1: CheckpointNotFoundError" in mine, mine
