@@ -106,8 +106,10 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
     A path or layout of the wrong kind (a template passed as ``layout``) raises ``TypeError``,
     a missing checkpoint ``CheckpointNotFoundError``, a layout that does not fit an array
     ``LayoutError`` (all before any byte is read), and a damaged chunk ``IntegrityError``
-    naming its array. Any of the errors raised before reading fails the load on every rank:
-    the others raise one of the same class, naming the rank and its message.
+    naming its array. Where the ranks load different parts (a layout, DTensors in the template,
+    ``share_reads``), any of the errors raised before reading fails the load on every rank:
+    the others raise one of the same class, naming the rank and its message. A load of whole
+    arrays into plain tensors takes part in no collective: one rank may make it alone.
     """
     check_load_arguments("load", path, layout, Layout)
     with collector_paused():
@@ -325,15 +327,28 @@ def _plan_on_every_rank(
     and a rank that loads while its peers raise goes on alone into the next collective, where
     it hangs."""
     comm = comm.during("while the ranks planned a load")
+    together = comm.world > 1 and split_by_rank(layout, options.like, options.share_reads)
     try:
         root = locate(path)
         meta = _store.read_meta(root)
         plan = _plan_load(root.url, meta, layout, options, comm)
     except Exception as err:
-        fail_together(comm, err, _refused)
+        if together:
+            fail_together(comm, err, _refused)
         raise
-    fail_together(comm, None, _refused)
+    if together:
+        fail_together(comm, None, _refused)
     return root, meta, plan
+
+
+def split_by_rank(layout: Layout | None, like: Any, share_reads: bool = False) -> bool:
+    """Whether the ranks load different parts (a layout, DTensors in the template ``like``,
+    shared reads), so that a failure may show on some ranks only, and every rank takes part. A
+    load of whole arrays into plain tensors takes no part in any collective: one rank may make
+    it alone (rank 0 reading for an evaluation), and every rank that does fails alike."""
+    if layout is not None or share_reads:
+        return True
+    return like is not None and any(is_dtensor(leaf) for leaf in flatten(like)[1].values())
 
 
 def _refused(failures: list[Failure]) -> Exception:

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from . import _rankstate
-from ._load import Select, load, load_rank_state
+from ._load import Select, load, load_rank_state, split_by_rank
 from ._reader import Reader
 from ._retention import check_retention, release_lock, take_lock
 from ._save import SaveResult, start
@@ -237,9 +237,11 @@ class CheckpointManager:
         whether that is its fast-tier piece; a piece only a peer holds is fetched first. For a
         load into ``like``, the pieces serve only where every rank's fits the template
         (``piece_misfit``); the durable tier serves otherwise. ``collective``: every rank asks
-        (a load), so the ranks agree on the newest step; a tiered manager's ranks always agree."""
+        (a load), and where the ranks load different parts (``split_by_rank``) they agree on the
+        newest step; a tiered manager's ranks always agree."""
         if self._tiers is None:
-            if step is None and collective and self._comm.world > 1:
+            split = split_by_rank(None if layout is _ANY else layout, None if like is _ANY else like)
+            if step is None and collective and split and self._comm.world > 1:
                 step = self._newest_on_every_rank()
             return self._resolve(step), False
         choice = self._choose(step, None if layout is _ANY else layout_key(layout))

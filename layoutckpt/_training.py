@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from ._load import load
+from ._load import load, split_by_rank
 from ._reader import Reader
 from .base._arguments import check_model_arguments
 from .base._errors import TemplateMismatchError, same_kind
@@ -188,17 +188,21 @@ def restore_state(
 ) -> LoadStateResult:
     """``load_state`` given the model's ``get_state`` already (``template``), its arrays read
     into a template by ``read`` (a manager reads a fast-tier piece its own way, of this rank's
-    own names: ``layout`` None). A plan refused on one rank is refused on every rank of
-    ``group``, before any rank reads: the others would wait for it in the load."""
+    own names: ``layout`` None). Where the ranks load different parts (``split_by_rank``), a
+    plan refused on one rank is refused on every rank of ``group`` before any rank reads: the
+    others would wait for it in the load."""
     comm = comm_for(group)
+    together = comm.world > 1 and split_by_rank(layout, template)
     try:
         with Reader(path) as rd:
             where, step = rd.path, rd.step
             plan = _plan(template, rd, strict, bool(_optimizers(optimizer)), NameMap.of(layout, comm.rank))
     except Exception as err:
-        fail_together(comm, err, _refused)
+        if together:
+            fail_together(comm, err, _refused)
         raise
-    fail_together(comm, None, _refused)
+    if together:
+        fail_together(comm, None, _refused)
     if plan.warning is not None:
         warnings.warn(plan.warning, UserWarning, stacklevel=3)  # the caller of load_state
     state = read(plan.like)

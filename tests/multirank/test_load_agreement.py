@@ -33,9 +33,9 @@ def test_a_template_that_fits_only_some_ranks_fails_the_load_on_every_rank(ranks
 
 
 def _missing_on_rank_1(rank: int, group, path: str) -> str:
-    lc.save(path, {"w": torch.arange(4.0)}, group=group)
+    lc.save(path, {"w": torch.arange(4.0)}, LAYOUT, group=group)
     try:
-        lc.load(path if rank == 0 else path + "-elsewhere", group=group)
+        lc.load(path if rank == 0 else path + "-elsewhere", LAYOUT, group=group)
     except (lc.CheckpointNotFoundError, RuntimeError) as err:
         return f"{type(err).__name__}: {err}"
     return "loaded"
@@ -45,3 +45,23 @@ def test_a_checkpoint_one_rank_cannot_find_fails_the_load_on_every_rank(ranks: R
     mine, theirs = ranks.run(_missing_on_rank_1, 2, str(tmp_path / "ck"), timeout=60)
     assert theirs.startswith("CheckpointNotFoundError"), theirs
     assert mine.startswith("RuntimeError") and "rank 1: CheckpointNotFoundError" in mine, mine
+
+
+def _rank_0_alone(rank: int, group, path: str) -> bool | None:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)  # the same weights on every rank
+    model = torch.nn.Linear(2, 2)
+    lc.save(path, lc.get_state(model), group=group)
+    got = None
+    if rank == 0:  # an evaluation on rank 0
+        got = lc.load(path, group=group)["model"]["bias"].tolist()
+        lc.load_state(path, torch.nn.Linear(2, 2), group=group)
+    dist.barrier(group)
+    return got == model.bias.tolist() if rank == 0 else None
+
+
+def test_a_load_of_whole_arrays_is_no_collective(ranks: RankPool, tmp_path: Path) -> None:
+    """Whole arrays into plain tensors: every rank loads the same, so rank 0 may load alone
+    (lc.load, lc.load_state of a plain model)."""
+    assert ranks.run(_rank_0_alone, 2, str(tmp_path / "ck"), timeout=60) == [True, None]
