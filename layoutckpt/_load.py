@@ -39,7 +39,7 @@ from .storage import _store
 from .storage._location import Location, locate
 from .storage._packs import arrays_of
 from .storage._readers import BoxReader, Lease
-from .torch._dist import Comm, Failure, check_mesh, comm_for, fail_together
+from .torch._dist import Comm, Failure, check_mesh, comm_for, failing_together
 from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from .torch._pinned import HostArena
 from .torch._tensors import from_numpy, to_numpy, torch_dtype, zarr_name_of
@@ -328,16 +328,10 @@ def _plan_on_every_rank(
     it hangs."""
     comm = comm.during("while the ranks planned a load")
     together = comm.world > 1 and split_by_rank(layout, options.like, options.share_reads)
-    try:
+    with failing_together(comm, _refused, when=together):
         root = locate(path)
         meta = _store.read_meta(root)
         plan = _plan_load(root.url, meta, layout, options, comm)
-    except Exception as err:
-        if together:
-            fail_together(comm, err, _refused)
-        raise
-    if together:
-        fail_together(comm, None, _refused)
     return root, meta, plan
 
 

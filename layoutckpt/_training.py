@@ -25,7 +25,7 @@ from .base._errors import TemplateMismatchError, same_kind
 from .layout._layout import Layout
 from .layout._names import to_global
 from .layout._tree import decode_value, flatten, leaf_nodes, unflatten
-from .torch._dist import Failure, comm_for, fail_together
+from .torch._dist import Failure, comm_for, failing_together
 
 
 def _optimizers(optimizer: Any) -> tuple[Any, ...]:
@@ -192,17 +192,10 @@ def restore_state(
     plan refused on one rank is refused on every rank of ``group`` before any rank reads: the
     others would wait for it in the load."""
     comm = comm_for(group)
-    together = comm.world > 1 and split_by_rank(layout, template)
-    try:
+    with failing_together(comm, _refused, when=comm.world > 1 and split_by_rank(layout, template)):
         with Reader(path) as rd:
             where, step = rd.path, rd.step
             plan = _plan(template, rd, strict, bool(_optimizers(optimizer)), NameMap.of(layout, comm.rank))
-    except Exception as err:
-        if together:
-            fail_together(comm, err, _refused)
-        raise
-    if together:
-        fail_together(comm, None, _refused)
     if plan.warning is not None:
         warnings.warn(plan.warning, UserWarning, stacklevel=3)  # the caller of load_state
     state = read(plan.like)

@@ -333,6 +333,20 @@ def fail_together(
     raise elsewhere(failures)
 
 
+@contextlib.contextmanager
+def failing_together(comm: Comm, elsewhere: Callable[[list[Failure]], BaseException], *, when: bool) -> Iterator[None]:
+    """Run the block, then, ``when`` so, ``fail_together``: where it failed on any rank, every
+    rank raises, before anything the block prepared goes further."""
+    try:
+        yield
+    except Exception as err:
+        if when:
+            fail_together(comm, err, elsewhere)
+        raise
+    if when:
+        fail_together(comm, None, elsewhere)
+
+
 def raise_named(comm: Comm | StoreComm, err: BaseException, name: str) -> NoReturn:
     """Raise ``comm``'s error for ``err``, the failure of its collective ``name``: the ranks lost
     named where ``comm`` can learn them, with ``err`` as the cause; else ``err`` as it is."""
