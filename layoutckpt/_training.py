@@ -231,7 +231,7 @@ def _plan(template: dict[str, Any], rd: Reader, strict: bool, with_optimizer: bo
     kept = {k: v for k, v in model.items() if k not in absent}
     held = stored if nested else set()  # a plain state_dict holds no optimizer state
     optim = _stepped_only(_with_stored_groups(template["optim"], rd), held, name) if with_optimizer else {}
-    lacking, warning = _optimizer_part(optim, held, name, strict, rd.path) if with_optimizer else ([], None)
+    lacking, warning = _optimizer_part(optim, stored, name, nested, strict, rd.path) if with_optimizer else ([], None)
     optimizer = with_optimizer and not lacking
     like: Any = kept
     if nested:
@@ -243,7 +243,7 @@ def _plan(template: dict[str, Any], rd: Reader, strict: bool, with_optimizer: bo
             "pass strict=False to ignore them"
         )
     missing = tuple(f"model.{k}" for k in absent) + tuple(lacking)
-    unstepped = optimizer and len(flatten(optim)[1]) < len(optim_names)
+    unstepped = optimizer and _state_leaves(optim) < _state_leaves(template["optim"])
     return _Plan(like, nested, optimizer, missing, tuple(unexpected), warning, unstepped)
 
 
@@ -257,6 +257,11 @@ def _unexpected(rd: Reader, like: Any, name: dict[str, str], nested: bool, optim
     return [a for a in rd.keys() if a not in used and (not nested or a.startswith(ours))]
 
 
+def _state_leaves(optim: dict[str, Any]) -> int:
+    """How many leaves of ``optim`` (nested or flattened) are per-parameter state."""
+    return sum(n.startswith("state.") for n in flatten(optim)[1])
+
+
 def _with_stored_groups(optim: dict[str, Any], rd: Reader) -> dict[str, Any]:
     """The optimizer's template with its ``param_groups`` as the checkpoint stores them, where
     both hold them as a list (each group naming its parameters): ``set_state_dict`` matches the
@@ -266,7 +271,7 @@ def _with_stored_groups(optim: dict[str, Any], rd: Reader) -> dict[str, Any]:
     if not isinstance(optim.get("param_groups"), list) or node is None or "list" not in node:
         return optim
     if any("array" in leaf for _, leaf in leaf_nodes(node)):
-        return optim  # a hyper-parameter stored as a tensor: the template's positions it is
+        return optim  # a hyper-parameter stored as a tensor: the template's groups, by position
     return {**optim, "param_groups": unflatten(node, lambda _, leaf: decode_value(leaf))}
 
 
@@ -298,13 +303,13 @@ def _stepped_only(optim: dict[str, Any], stored: set[str], name: dict[str, str])
 
 
 def _optimizer_part(
-    optim: dict[str, Any], stored: set[str], name: dict[str, str], strict: bool, where: str
+    optim: dict[str, Any], stored: set[str], name: dict[str, str], nested: bool, strict: bool, where: str
 ) -> tuple[list[str], str | None]:
     """The optimizer's names the checkpoint lacks (it is restored whole or not at all), and the
-    warning to give when it is not restored; part of it stored raises under ``strict``."""
-    nested = bool(stored)
+    warning to give when it is not restored; part of it stored raises under ``strict``. A plain
+    state dict (not ``nested``) holds no optimizer state."""
     _, leaves = flatten(optim)
-    lacking = [f"optim.{n}" for n in leaves if name.get(f"optim.{n}", f"optim.{n}") not in stored]
+    lacking = [f"optim.{n}" for n in leaves if not (nested and name.get(f"optim.{n}", f"optim.{n}") in stored)]
     if not lacking:
         return [], None
     partly = len(lacking) < len(leaves)
