@@ -463,13 +463,29 @@ class StoreComm:
             parts.append(bytes(self.store.get(k)))
             self.store.delete_key(k)
         out = combine(parts)
-        self.store.set(f"{key}/all", _DONE + out)
+        self._publish(f"{key}/all", out)
         return out
 
+    def _publish(self, key: str, out: bytes) -> None:
+        """Rank 0's result under ``key``, unless a rank that gave up waiting for it has claimed
+        the key first with its failure (``_published``): then that failure, on every rank."""
+        got = bytes(self.store.compare_set(key, "", _DONE + out))
+        if got[:1] == _FAILED:
+            raise SaveError(got[1:].decode())
+
     def _published(self, key: str) -> bytes:
-        """What rank 0 published under ``key``; its failure raised."""
-        self._wait([key], 2 * self.timeout, "rank 0")
-        out = bytes(self.store.get(key))
+        """What rank 0 published under ``key``; its failure raised. A rank that waits in vain
+        claims the key with its own failure, atomically: rank 0, slow but alive, then finds it
+        there and fails too, rather than commit a save its peers have given up on; where rank 0
+        published first, its result stands."""
+        try:
+            self._wait([key], 2 * self.timeout, "rank 0")
+            out = bytes(self.store.get(key))
+        except SaveError as err:
+            try:
+                out = bytes(self.store.compare_set(key, "", _FAILED + str(err).encode()))
+            except Exception:  # noqa: BLE001 - the store is gone: nobody can commit now
+                raise err from None
         if out[:1] == _FAILED:
             raise SaveError(out[1:].decode())
         return out[1:]
@@ -531,7 +547,7 @@ class StoreComm:
         key = f"{self.prefix}/{self._step}/all"
         if self.rank != 0:
             return self._published(key)
-        self.store.set(key, _DONE + (data or b""))
+        self._publish(key, data or b"")
         return data or b""
 
     def barrier(self) -> None:
