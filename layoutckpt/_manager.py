@@ -477,16 +477,9 @@ class CheckpointManager:
         def read(like: Any) -> Any:
             return load_piece(path, like, **kw) if piece else load(path, layout, like=like, **kw)
 
+        names = None if piece else layout  # a piece holds this rank's own names
         return restore_state(
-            path,
-            model,
-            optimizer,
-            template,
-            read,
-            strict=strict,
-            options=options,
-            layout=None if piece else layout,
-            group=self._group,  # a piece holds this rank's own names
+            path, model, optimizer, template, read, strict=strict, options=options, layout=names, group=self._group
         )
 
     def load_rank_state(self, step: int | None = None, *, redistribute: Any = None) -> Any:
