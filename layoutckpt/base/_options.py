@@ -114,6 +114,12 @@ def _packing(instance: Any, attribute: attrs.Attribute, value: str) -> None:
         )
 
 
+def _flag(instance: Any, attribute: attrs.Attribute, value: bool) -> None:
+    # A string such as "no" is true: refused, where it would silently mean the opposite.
+    if not isinstance(value, bool):
+        raise TypeError(f"{attribute.name}= takes True or False, got {type(value).__name__} {value!r}")
+
+
 def _chunk_bytes(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"inner_chunk_bytes= must be a positive int (bytes; 2 MiB by default), got {value!r}")
@@ -135,7 +141,7 @@ class SaveOptions:
     step: int | None = attrs.field(default=None, validator=_step)
     metadata: Mapping[str, Any] | None = None
     rank_state: Any = None
-    overwrite: bool = False
+    overwrite: bool = attrs.field(default=False, validator=_flag)
     group: Any = None
     inner_chunk_bytes: int = attrs.field(default=2 << 20, validator=_chunk_bytes)
     compression: str | None = attrs.field(default=None, validator=_compression)
@@ -143,7 +149,7 @@ class SaveOptions:
     # "auto": "ocdbt" above a thousand objects (``storage._packs``).
     packing: str = attrs.field(default="auto", validator=_packing)
     # save_async only: return before the copy is done; cap the staging buffers.
-    lazy: bool = False
+    lazy: bool = attrs.field(default=False, validator=_flag)
     host_memory_budget: int | None = None
     io: IOConfig = attrs.field(default=DEFAULT_IO, converter=io_config)
     # How long a rank waits for the others at each agreement of a save's commit. A per-call
@@ -158,11 +164,11 @@ class LoadOptions:
 
     like: Any = None
     select: Any = None
-    strict: bool = True
-    inplace: bool = False
+    strict: bool = attrs.field(default=True, validator=_flag)
+    inplace: bool = attrs.field(default=False, validator=_flag)
     group: Any = None
     io: IOConfig = attrs.field(default=DEFAULT_IO, converter=io_config)
-    share_reads: bool = False
+    share_reads: bool = attrs.field(default=False, validator=_flag)
 
 
 class SaveKeywords(TypedDict, total=False):

@@ -194,9 +194,19 @@ def test_a_missing_checkpoint_is_not_pointed_at_a_staging_directory(tmp_path):
 
 @pytest.mark.parametrize(
     ("options", "match"),
-    [({"compression": "gzip"}, "compression= must be one of"), ({"packing": "zip"}, "packing= must be 'auto'")],
+    [
+        ({"compression": "gzip"}, "compression= must be one of"),
+        ({"packing": "zip"}, "packing= must be 'auto'"),
+        ({"overwrite": "no"}, "overwrite= takes True or False, got str"),
+    ],
 )
 def test_storage_options_are_checked_before_anything_is_written(tmp_path, options, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         lc.save(tmp_path / "ck", {"w": np.ones(2)}, **options)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_load_flag_given_a_string_is_refused(tmp_path):
+    lc.save(tmp_path / "ck", {"w": np.ones(2)})
+    with pytest.raises(TypeError, match="strict= takes True or False"):
+        lc.load(tmp_path / "ck", strict="no")  # "no" is true: it would mean the opposite
