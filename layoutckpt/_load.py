@@ -33,7 +33,7 @@ from .layout._flat import Flat
 from .layout._layout import Layout
 from .layout._names import to_global
 from .layout._spec import P, check_spec
-from .layout._tree import collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
+from .layout._tree import any_leaf, collapse, decode_value, flatten, is_array_leaf, leaf_nodes, unflatten
 from .layout._views import Cut, Fused, Padded, part_name
 from .storage import _store
 from .storage._location import Location, locate
@@ -342,7 +342,7 @@ def split_by_rank(layout: Layout | None, like: Any, share_reads: bool = False) -
     it alone (rank 0 reading for an evaluation), and every rank that does fails alike."""
     if layout is not None or share_reads:
         return True
-    return like is not None and any(is_dtensor(leaf) for leaf in flatten(like)[1].values())
+    return like is not None and any_leaf(like, is_dtensor)
 
 
 def _refused(failures: list[Failure]) -> Exception:

@@ -158,6 +158,22 @@ def _node_kind(cls: type) -> str | None:
     return "tuple" if issubclass(cls, tuple) else None
 
 
+def any_leaf(tree: object, test: Callable[[object], bool]) -> bool:
+    """Whether ``test`` holds for a leaf of ``tree`` (nested dicts, lists, tuples): a walk that,
+    unlike ``flatten``, names nothing and stops at the first."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        kind = _node_kind(type(node))
+        if kind == "dict":
+            stack.extend(node.values())
+        elif kind is not None:
+            stack.extend(node)
+        elif test(node):
+            return True
+    return False
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
