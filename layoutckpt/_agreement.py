@@ -14,7 +14,7 @@ from typing import Any
 from .base._errors import InconsistentShardsError
 from .base._options import SaveOptions
 from .storage._location import Location
-from .torch._dist import Comm, Failure, fail_together
+from .torch._dist import Comm, fail_together, told
 
 
 def agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[list[int], list[int]]:
@@ -25,11 +25,9 @@ def agree(comm: Comm, error: BaseException | None, words: list[int]) -> tuple[li
     reported is named too (``RankLostError``).
     """
     comm = comm.during("before the save's ranks agreed on what to save (nothing was written)")
-    return fail_together(comm, error, _refused, words)
-
-
-def _refused(failures: list[Failure]) -> InconsistentShardsError:
-    return InconsistentShardsError("save refused on other ranks, nothing was written: " + "; ".join(map(str, failures)))
+    return fail_together(
+        comm, error, told("save refused on other ranks, nothing was written", InconsistentShardsError), words
+    )
 
 
 def call_of(final: Location, options: SaveOptions) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import numpy as np
 from . import _rankstate, _shared_reads
 from ._pieces import padded_shard_shape, uses_views
 from .base._arguments import check_load_arguments
-from .base._errors import TemplateMismatchError, same_kind
+from .base._errors import TemplateMismatchError
 from .base._futures import LoadFuture
 from .base._gc import collector_paused
 from .base._metrics import LOAD_PHASES, Metrics, Phases, report
@@ -39,7 +39,7 @@ from .storage import _store
 from .storage._location import Location, locate
 from .storage._packs import arrays_of
 from .storage._readers import BoxReader, Lease
-from .torch._dist import Comm, Failure, check_mesh, comm_for, failing_together
+from .torch._dist import Comm, check_mesh, comm_for, failing_together, told
 from .torch._dtensor import default_mesh, from_local, is_dtensor, local_device, sharding_of
 from .torch._pinned import HostArena
 from .torch._tensors import from_numpy, to_numpy, torch_dtype, zarr_name_of
@@ -328,7 +328,7 @@ def _plan_on_every_rank(
     it hangs."""
     comm = comm.during("while the ranks planned a load")
     together = comm.world > 1 and split_by_rank(layout, options.like, options.share_reads)
-    with failing_together(comm, _refused, when=together):
+    with failing_together(comm, told("the load failed on other ranks, so no rank reads"), when=together):
         root = locate(path)
         meta = _store.read_meta(root)
         plan = _plan_load(root.url, meta, layout, options, comm)
@@ -343,12 +343,6 @@ def split_by_rank(layout: Layout | None, like: Any, share_reads: bool = False) -
     if layout is not None or share_reads:
         return True
     return like is not None and any_leaf(like, is_dtensor)
-
-
-def _refused(failures: list[Failure]) -> Exception:
-    return same_kind(f.kind for f in failures)(
-        "the load failed on other ranks, so no rank reads: " + "; ".join(map(str, failures))
-    )
 
 
 def _sharing(

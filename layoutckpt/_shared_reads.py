@@ -21,12 +21,11 @@ from collections.abc import Callable, Mapping
 import attrs
 import numpy as np
 
-from .base._errors import same_kind
 from .format._dtypes import numpy_dtype
 from .format._format import ArrayMeta
 from .layout import _plan
 from .layout._spec import Mesh, P
-from .torch._dist import Comm, Failure, digest, fail_together
+from .torch._dist import Comm, digest, fail_together, told
 
 Target = tuple[str, _plan.Box]
 # The mesh and spec that place a box, and what else decides it that every rank of a stage must
@@ -101,14 +100,8 @@ def settle(comm: Comm, join: Callable[[], None]) -> None:
         join()
     except Exception as err:  # noqa: BLE001 - reported to every rank, then raised
         error = err
-    fail_together(comm.during("while the ranks shared a load's reads"), error, _incomplete)
-
-
-def _incomplete(failures: list[Failure]) -> Exception:
-    return same_kind(f.kind for f in failures)(
-        "the load's shared reads failed on other ranks, so this rank's boxes are incomplete: "
-        + "; ".join(map(str, failures))
-    )
+    incomplete = told("the load's shared reads failed on other ranks, so this rank's boxes are incomplete")
+    fail_together(comm.during("while the ranks shared a load's reads"), error, incomplete)
 
 
 def destination(out: np.ndarray | None, meta: ArrayMeta, box: _plan.Box) -> np.ndarray:

@@ -21,11 +21,11 @@ import attrs
 from ._load import load, split_by_rank
 from ._reader import Reader
 from .base._arguments import check_model_arguments
-from .base._errors import TemplateMismatchError, same_kind
+from .base._errors import TemplateMismatchError
 from .layout._layout import Layout
 from .layout._names import to_global
 from .layout._tree import decode_value, flatten, leaf_nodes, unflatten
-from .torch._dist import Failure, comm_for, failing_together
+from .torch._dist import comm_for, failing_together, told
 
 
 def _optimizers(optimizer: Any) -> tuple[Any, ...]:
@@ -147,12 +147,6 @@ def load_state(
     )
 
 
-def _refused(failures: list[Failure]) -> Exception:
-    return same_kind(f.kind for f in failures)(
-        "load_state was refused on other ranks, so no rank loads: " + "; ".join(map(str, failures))
-    )
-
-
 @attrs.frozen
 class NameMap:
     """How this rank's names are stored under a load's layout: through its name rules (a
@@ -192,7 +186,8 @@ def restore_state(
     plan refused on one rank is refused on every rank of ``group`` before any rank reads: the
     others would wait for it in the load."""
     comm = comm_for(group)
-    with failing_together(comm, _refused, when=comm.world > 1 and split_by_rank(layout, template)):
+    refused = told("load_state was refused on other ranks, so no rank loads")
+    with failing_together(comm, refused, when=comm.world > 1 and split_by_rank(layout, template)):
         with Reader(path) as rd:
             where, step = rd.path, rd.step
             plan = _plan(template, rd, strict, bool(_optimizers(optimizer)), NameMap.of(layout, comm.rank))

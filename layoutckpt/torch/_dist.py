@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 import attrs
 
-from ..base._errors import RankLostError, SaveError, WorldSizeError
+from ..base._errors import RankLostError, SaveError, WorldSizeError, same_kind
 from ..layout._spec import Mesh
 from ._torch import dist, distributed, torch
 
@@ -331,6 +331,18 @@ def fail_together(
         raise error
     failures = [Failure(r, *m.decode().split("\0", 1)) for r, m in enumerate(told) if m]
     raise elsewhere(failures)
+
+
+def told(preface: str, kind: type[Exception] | None = None) -> Callable[[list[Failure]], Exception]:
+    """The error a rank raises for its peers' failures (``fail_together``'s ``elsewhere``):
+    ``preface``, then each failure, as ``kind``, else as the failures' one class where that is
+    a plain one (``same_kind``)."""
+
+    def made(failures: list[Failure]) -> Exception:
+        cls = kind if kind is not None else same_kind(f.kind for f in failures)
+        return cls(f"{preface}: " + "; ".join(map(str, failures)))
+
+    return made
 
 
 @contextlib.contextmanager
