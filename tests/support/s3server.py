@@ -39,6 +39,7 @@ class S3Server:
             "AWS_CONFIG_FILE": empty.name,
             "AWS_SHARED_CREDENTIALS_FILE": empty.name,
         }
+        self._empty = empty.name
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
@@ -69,6 +70,8 @@ class S3Server:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._empty)
 
 
 @contextlib.contextmanager
