@@ -137,7 +137,8 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     t0 = time.perf_counter()
     phases = Phases()
     comm = comm_for(options.group)
-    root, meta, plan = _plan_on_every_rank(path, layout, options, comm)
+    together = _together(comm, layout, options)
+    root, meta, plan = _plan_on_every_rank(path, layout, options, comm, together)
     reader = arrays_of(root, meta).box_reader(root.url, meta.all_chunks_stored, options.io)
     bound = plan.device_bound()
     lent = plan.lent(meta, reader, bound)
@@ -145,7 +146,7 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     reads = BackgroundReads(reader, wanted.reads, options.io)
     phases.since("plan", t0)
     fut: LoadFuture[Any] = LoadFuture(
-        lambda: _finish(plan, meta, reads, wanted, root.url, comm, phases, t0, fut), reads
+        lambda: _finish(plan, meta, reads, wanted, root.url, comm, together, phases, t0, fut), reads
     )
     return fut
 
@@ -318,8 +319,14 @@ def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options:
     return _LoadPlan(structure, template, keep, targets, flats, options, composites, holders)
 
 
+def _together(comm: Comm, layout: Layout | None, options: LoadOptions) -> bool:
+    """Whether the ranks agree on the load's outcome: where they load different parts, a
+    failure may show on some ranks only (``split_by_rank``)."""
+    return comm.world > 1 and split_by_rank(layout, options.like, options.share_reads)
+
+
 def _plan_on_every_rank(
-    path: str | os.PathLike[str], layout: Layout | None, options: LoadOptions, comm: Comm
+    path: str | os.PathLike[str], layout: Layout | None, options: LoadOptions, comm: Comm, together: bool
 ) -> tuple[Location, CheckpointMeta, _LoadPlan]:
     """The checkpoint at ``path``, its metadata and ``_plan_load``, and whether any of them failed
     on any rank: then every rank raises before it reads. Some failures show only on some ranks
@@ -327,7 +334,6 @@ def _plan_on_every_rank(
     and a rank that loads while its peers raise goes on alone into the next collective, where
     it hangs."""
     comm = comm.during("while the ranks planned a load")
-    together = comm.world > 1 and split_by_rank(layout, options.like, options.share_reads)
     with failing_together(comm, told("the load failed on other ranks, so no rank reads"), when=together):
         root = locate(path)
         meta = _store.read_meta(root)
@@ -521,17 +527,16 @@ def _finish(
     wanted: _Requests,
     where: str,
     comm: Any,
+    together: bool,
     phases: Phases,
     t0: float,
     fut: LoadFuture[Any],
 ) -> Any:
     """Wait for the reads, build the tree, and report the load's metrics on ``fut``."""
     try:
+        _join(reads, comm, together)
         if wanted.shared is not None:
-            _shared_reads.settle(comm, reads.join)
             _shared_reads.exchange(comm, wanted.shared)
-        else:
-            reads.join()
         phases.add("read", reads.seconds)
         start = time.perf_counter()
         if wanted.arena is not None:
@@ -562,6 +567,15 @@ def _finish(
         )
     )
     return out
+
+
+def _join(reads: BackgroundReads, comm: Comm, together: bool) -> None:
+    """Wait for this rank's reads and, ``together``, learn whether every rank's succeeded: a
+    checksum that fails on one rank's chunks fails the load on every rank, which then stay in
+    step (a rank that shares its boxes sends nothing when its reads failed)."""
+    incomplete = told("the load's reads failed on other ranks, so this rank's result is incomplete")
+    with failing_together(comm.during("while the ranks finished a load's reads"), incomplete, when=together):
+        reads.join()
 
 
 class _Builder:

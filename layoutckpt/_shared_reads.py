@@ -16,7 +16,7 @@ own boxes, as without the option.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import attrs
 import numpy as np
@@ -25,7 +25,7 @@ from .format._dtypes import numpy_dtype
 from .format._format import ArrayMeta
 from .layout import _plan
 from .layout._spec import Mesh, P
-from .torch._dist import Comm, digest, fail_together, told
+from .torch._dist import Comm, digest
 
 Target = tuple[str, _plan.Box]
 # The mesh and spec that place a box, and what else decides it that every rank of a stage must
@@ -89,19 +89,6 @@ def agree(comm: Comm, stages: Stages | None, holders: Mapping[Target, Holding], 
         if by_stage.setdefault(stage, got) != got:
             return False
     return True
-
-
-def settle(comm: Comm, join: Callable[[], None]) -> None:
-    """Wait for this rank's reads (``join``) and learn whether every rank's succeeded: a rank
-    whose part failed sends nothing, so its peers must not wait for it. The failing rank
-    raises its own error, the others one that names it."""
-    error: BaseException | None = None
-    try:
-        join()
-    except Exception as err:  # noqa: BLE001 - reported to every rank, then raised
-        error = err
-    incomplete = told("the load's shared reads failed on other ranks, so this rank's boxes are incomplete")
-    fail_together(comm.during("while the ranks shared a load's reads"), error, incomplete)
 
 
 def destination(out: np.ndarray | None, meta: ArrayMeta, box: _plan.Box) -> np.ndarray:

@@ -1,9 +1,10 @@
-"""A load whose plan fails on some ranks only fails on every rank, on real gloo ranks.
+"""A load whose plan or reads fail on some ranks only fails on every rank, on real gloo ranks.
 
 A model whose global shape changed since the save can still fit some ranks' shards: 3 rows
 split over 2 ranks are 2 and 1, and a template of 4 rows (2 and 2) fits rank 0 alone. Rank 1
 raises, and rank 0 must too: a rank that loads while its peer raises goes on alone into the
-next collective of the training loop, and waits there for ever."""
+next collective of the training loop, and waits there for ever. The same holds for a chunk
+that is damaged where one rank alone reads it."""
 
 from __future__ import annotations
 
@@ -65,3 +66,28 @@ def test_a_load_of_whole_arrays_is_no_collective(ranks: RankPool, tmp_path: Path
     """Whole arrays into plain tensors: every rank loads the same, so rank 0 may load alone
     (lc.load, lc.load_state of a plain model)."""
     assert ranks.run(_rank_0_alone, 2, str(tmp_path / "ck"), timeout=60) == [True, None]
+
+
+def _damaged_on_rank_1(rank: int, group, path: str) -> str:
+    import torch.distributed as dist
+
+    lc.save(path, {"w": torch.arange(4.0)[:2] + 2 * rank}, LAYOUT, group=group)
+    if rank == 0:
+        shard = Path(path, "w", "c.1")  # rows 2-3: only rank 1 reads them
+        raw = bytearray(shard.read_bytes())
+        raw[0] ^= 0xFF  # the first chunk's first byte: its crc32c fails
+        shard.write_bytes(bytes(raw))
+    dist.barrier(group)
+    try:
+        lc.load(path, LAYOUT, group=group)
+    except (lc.IntegrityError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+def test_damage_that_one_rank_reads_fails_the_load_on_every_rank(ranks: RankPool, tmp_path: Path) -> None:
+    """The reads fail on rank 1 only, after the plan's agreement: rank 0, whose part is intact,
+    raises too, naming rank 1, rather than resume alone."""
+    mine, theirs = ranks.run(_damaged_on_rank_1, 2, str(tmp_path / "ck"), timeout=60)
+    assert theirs.startswith("IntegrityError") and "'w'" in theirs, theirs
+    assert mine.startswith("IntegrityError") and "rank 1: IntegrityError" in mine, mine
