@@ -25,6 +25,7 @@ are returned as skipped.
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import io
 import math
@@ -32,6 +33,7 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ import numpy as np
 
 from . import _importing as importing
 from ._commit import commit_everywhere
-from .base._errors import FormatError, InvalidNameError
+from .base._errors import FormatError, IntegrityError, InvalidNameError
 from .base._options import DEFAULT_IO, IOConfig
 from .format import _hierarchy as hierarchy
 from .format._dtypes import ZARR_TO_NUMPY, numpy_dtype
@@ -111,6 +113,27 @@ def _refused(module: str, name: str, where: str, admitted: str) -> RefusedPickle
     )
 
 
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a C type, whose attributes are fixed
+
+
+def _kept_apart(found: Any) -> Any:
+    """``found``, as this unpickling's own: a Python class as a fresh subclass of the same name,
+    a Python function as a fresh function calling it. A pickle's BUILD sets attributes on
+    whatever it is handed; handed a library's class, it would change that class for the whole
+    process (a path class whose ``name`` lies, defeating the check that keeps reads inside the
+    checkpoint). C types are immutable, and enumerations take no subclass: they are called.
+    Instances (a dtype) are returned as they are."""
+    if not callable(found) or (isinstance(found, type) and found.__flags__ & _IMMUTABLE_TYPE):
+        return found  # a dtype or a storage type: an instance, not a class
+    if isinstance(found, type) and not issubclass(found, enum.Enum):
+        return type(found.__name__, (found,), {"__module__": found.__module__, "__qualname__": found.__qualname__})
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return found(*args, **kwargs)
+
+    return call
+
+
 def _torch_layout(name: Any) -> Any:
     """Stands in for ``torch.serialization._get_layout``, as which torch pickles a layout: the
     layout of that name, looked up among torch's layouts."""
@@ -130,6 +153,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        return _kept_apart(self._admitted(module, name))
+
+    def _admitted(self, module: str, name: str) -> Any:
         import torch
 
         if name in _DCP_CLASSES.get(module, ()):
@@ -263,6 +289,9 @@ class _ItemUnpickler(pickle.Unpickler):
         self.tensors = tensors
 
     def find_class(self, module: str, name: str) -> Any:
+        return _kept_apart(self._admitted(module, name))
+
+    def _admitted(self, module: str, name: str) -> Any:
         if self.tensors and module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
             return _rebuild_v2 if name.endswith("v2") else _rebuild_v3
         if self.tensors and module in ("torch", "torch.storage") and name in _STORAGE_TYPES:
@@ -275,9 +304,10 @@ class _ItemUnpickler(pickle.Unpickler):
         raise _refused(module, name, self.where, admitted)
 
     def persistent_load(self, pid: Any) -> Any:
+        if not self.tensors:
+            raise RefusedPickleError(f"{self.where}: the value holds a tensor's storage; a plain value does not")
         if (
-            not self.tensors
-            or not isinstance(pid, tuple)
+            not isinstance(pid, tuple)
             or len(pid) != 5
             or pid[0] != "storage"
             or not isinstance(pid[1], _StorageType)
@@ -325,19 +355,34 @@ class _Placed:
     stride: tuple[int, ...]
 
 
+class _NotArchive(FormatError):
+    """An item that is no zip archive: raw bytes DCP stored as they were, or a damaged item."""
+
+
+# zipfile's ways of failing on damaged bytes (RuntimeError: an encrypted record; ValueError covers
+# UnicodeDecodeError).
+_ZIP_DAMAGE = (zipfile.BadZipFile, EOFError, NotImplementedError, RuntimeError, ValueError, struct.error, zlib.error)
+MAX_PICKLE_BYTES = 64 << 20  # an item's data.pkl: a tensor's is a few hundred bytes
+
+
 def _archive(f: Any, where: str) -> tuple[zipfile.ZipFile, str]:
     """The torch.save archive in ``f``, and the prefix of its records (``archive/``)."""
     try:
         zf = zipfile.ZipFile(f)
-    except zipfile.BadZipFile:
-        raise FormatError(
-            f"{where}: not a torch.save archive; only DCP's default format (FileSystemWriter with "
-            "serialization_format TORCH_SAVE) is imported"
+    except _ZIP_DAMAGE:
+        raise _NotArchive(
+            f"{where}: not a torch.save archive, or one cut short; only DCP's default format (FileSystemWriter "
+            "with serialization_format TORCH_SAVE) is imported"
         ) from None
     pkls = [n for n in zf.namelist() if n.endswith("data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
         raise FormatError(f"{where}: a torch.save archive holds one */data.pkl, this one {len(pkls)}")
     prefix = pkls[0].removesuffix("data.pkl")
+    pkl = zf.getinfo(pkls[0])
+    if pkl.compress_type != zipfile.ZIP_STORED or pkl.file_size > MAX_PICKLE_BYTES:
+        raise FormatError(
+            f"{where}: its data.pkl is compressed or over {MAX_PICKLE_BYTES} bytes; torch.save stores a small one as it is"
+        )
     if prefix + "byteorder" in zf.namelist() and zf.read(prefix + "byteorder") != b"little":
         raise FormatError(f"{where}: the tensor was saved big-endian, which the importer does not read")
     return zf, prefix
@@ -347,14 +392,21 @@ def _archive(f: Any, where: str) -> tuple[zipfile.ZipFile, str]:
 def _item(folder: Path, info: Any, where: str, tensors: bool) -> Iterator[tuple[Any, zipfile.ZipFile, str, int]]:
     """An item's unpickled ``data.pkl`` (plain values, ``_TensorRef`` where ``tensors``), its
     archive, the archive's record prefix and where the archive starts in its file."""
-    name, offset, length = _storage_info(info, where)
-    path = folder / name
-    with open(path, "rb") as f:
+    path = _data_file(folder, info, where)
+    offset, length = _storage_info(info, where)[1:]
+    with _open_data(path, offset + length, where) as f:
         window = _Window(f, offset, length)
-        zf, prefix = _archive(window, f"{where} ({path}, bytes {offset}..{offset + length})")
+        at = f"{where} ({path}, bytes {offset}..{offset + length})"
+        try:
+            zf, prefix = _archive(window, at)
+            raw = zf.read(prefix + "data.pkl")
+        except FormatError:
+            raise
+        except _ZIP_DAMAGE as err:
+            raise FormatError(f"{at}: a damaged torch.save archive ({type(err).__name__}: {err})") from None
         with zf:
             try:
-                value = _ItemUnpickler(io.BytesIO(zf.read(prefix + "data.pkl")), where, tensors).load()
+                value = _ItemUnpickler(io.BytesIO(raw), where, tensors).load()
             except (RefusedPickleError, FormatError):
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of a damaged pickle, named
@@ -362,9 +414,30 @@ def _item(folder: Path, info: Any, where: str, tensors: bool) -> Iterator[tuple[
             yield value, zf, prefix, offset
 
 
+@contextlib.contextmanager
+def _open_data(path: Path, end: int, where: str) -> Iterator[Any]:
+    """The data file at ``path``, open, which must hold at least ``end`` bytes."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise FormatError(f"{where}: its data file {path} is missing") from None
+    with f:
+        if os.fstat(f.fileno()).st_size < end:
+            raise FormatError(f"{where}: lies past the end of its data file {path} (cut short?)")
+        yield f
+
+
+def _data_file(folder: Path, info: Any, where: str) -> Path:
+    """The data file an item lies in: a file of the checkpoint's folder, not a link out of it."""
+    path = folder / _storage_info(info, where)[0]
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder):
+        raise FormatError(f"{where}: its data file {path} links out of the checkpoint's folder")
+    return path
+
+
 def _storage_info(info: Any, where: str) -> tuple[str, int, int]:
     name, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+    if not isinstance(name, str) or any(c in name for c in "/\\\0") or name in ("", ".", ".."):
         # A file name only: crafted metadata must not send the reader outside the checkpoint.
         raise FormatError(f"{where}: stored in {name!r}; expected a file name in the checkpoint's folder")
     if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
@@ -378,7 +451,8 @@ def _storage_info(info: Any, where: str) -> tuple[str, int, int]:
 
 
 def _place_chunk(folder: Path, info: Any, where: str, dtype: str, sizes: tuple[int, ...]) -> _Placed:
-    """Where the elements of one DCP chunk lie in its data file, checked against the metadata."""
+    """Where the elements of one DCP chunk lie in its data file, checked against the metadata,
+    and its record's bytes checked against the archive's CRC-32."""
     with _item(folder, info, where, tensors=True) as (ref, zf, prefix, start):
         if not isinstance(ref, _TensorRef):
             raise FormatError(f"{where}: the item holds a {type(ref).__name__}, not a tensor")
@@ -388,19 +462,53 @@ def _place_chunk(folder: Path, info: Any, where: str, dtype: str, sizes: tuple[i
             record = zf.getinfo(f"{prefix}data/{ref.key}")
         except KeyError:
             raise FormatError(f"{where}: the archive has no record data/{ref.key}") from None
-        if record.compress_type != zipfile.ZIP_STORED:
-            raise FormatError(f"{where}: record data/{ref.key} is compressed; torch.save stores records as they are")
-        itemsize = numpy_dtype(dtype).itemsize
-        last = ref.offset + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
-        if (last + 1) * itemsize > record.file_size:
-            raise FormatError(f"{where}: the tensor reaches past its storage record data/{ref.key}")
-        zf.fp.seek(record.header_offset)
-        header = zf.fp.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise FormatError(f"{where}: record data/{ref.key} has no local header")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        data = start + record.header_offset + 30 + name_len + extra_len
-    return _Placed(os.fspath(folder / _storage_info(info, where)[0]), data + ref.offset * itemsize, sizes, ref.stride)
+        _check_extent(ref, record, where)
+        data = _record_start(zf.fp, record, where)
+        if data + record.file_size > zf.fp.length:
+            raise FormatError(f"{where}: record data/{ref.key} reaches past its item")
+        _check_crc(zf.fp, data, record, where)
+    itemsize = numpy_dtype(dtype).itemsize
+    return _Placed(os.fspath(_data_file(folder, info, where)), start + data + ref.offset * itemsize, sizes, ref.stride)
+
+
+def _check_extent(ref: _TensorRef, record: zipfile.ZipInfo, where: str) -> None:
+    """The tensor lies inside its storage record, stored as it is, and no element is repeated:
+    a stride of 0 over a tiny record would make a small file import as a vast array."""
+    if record.compress_type != zipfile.ZIP_STORED:
+        raise FormatError(f"{where}: record data/{ref.key} is compressed; torch.save stores records as they are")
+    itemsize = numpy_dtype(ref.dtype).itemsize
+    last = ref.offset + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
+    if (last + 1) * itemsize > record.file_size:
+        raise FormatError(f"{where}: the tensor reaches past its storage record data/{ref.key}")
+    if math.prod(ref.shape) * itemsize > record.file_size:
+        raise FormatError(
+            f"{where}: the tensor declares {math.prod(ref.shape)} elements, more than its storage record "
+            f"data/{ref.key} holds ({record.file_size} bytes); DCP stores every element"
+        )
+
+
+def _record_start(window: _Window, record: zipfile.ZipInfo, where: str) -> int:
+    """Where a stored record's bytes start in its item, past the record's local header."""
+    window.seek(record.header_offset)
+    header = window.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise FormatError(f"{where}: record {record.filename} has no local header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return record.header_offset + 30 + name_len + extra_len
+
+
+def _check_crc(window: _Window, start: int, record: zipfile.ZipInfo, where: str) -> None:
+    """The record's bytes match the CRC-32 the archive holds for them (torch.load never checks):
+    damage found here is not carried into the new checkpoint under fresh checksums."""
+    window.seek(start)
+    crc, left = 0, record.file_size
+    while left:
+        piece = window.read(min(left, 16 << 20))
+        if not piece:
+            raise FormatError(f"{where}: record {record.filename} is cut short")
+        crc, left = zlib.crc32(piece, crc), left - len(piece)
+    if crc != record.CRC:
+        raise IntegrityError(f"{where}: record {record.filename} fails its CRC-32: the DCP checkpoint is damaged")
 
 
 def _read_placed(p: _Placed, dtype: np.dtype, box: Box) -> np.ndarray:
@@ -482,12 +590,50 @@ def _check_tiling(name: str, shape: tuple[int, ...], chunks: list[_Chunk], where
         if len(c.offsets) != len(shape) or any(o + n > s for o, n, s in zip(c.offsets, c.sizes, shape)):
             raise FormatError(f"{where}: chunk {c.offsets} {c.sizes} of {name!r} lies outside its shape {shape}")
     boxes = [c.box for c in chunks if math.prod(c.sizes)]
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            if _overlap(a, b) is not None:
-                raise FormatError(f"{where}: chunks {a} and {b} of {name!r} overlap")
+    pair = _overlapping(boxes)
+    if pair is not None:
+        raise FormatError(f"{where}: chunks {pair[0]} and {pair[1]} of {name!r} overlap")
     if sum(math.prod(_plan.box_shape(b)) for b in boxes) != math.prod(shape):
         raise FormatError(f"{where}: the chunks of {name!r} do not cover its shape {shape}")
+
+
+GRID_CELLS = 1 << 22  # the cells counted at most: 16 MiB of counts
+
+
+def _overlapping(boxes: list[Box]) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` that overlap, or None, in time linear in the boxes for every regular
+    sharding (a DTensor over 16,384 ranks has 16,384 chunks per tensor): each box adds one to
+    the cells of the grid that all the boxes' edges make, and a cell counted twice lies in
+    two boxes. Irregular boxes whose grid is too large are swept instead."""
+    if len(boxes) < 2:
+        return None
+    if not boxes[0]:
+        return boxes[0], boxes[1]  # 0-d: every chunk is the whole
+    edges = [np.unique([edge for b in boxes for edge in b[d]]) for d in range(len(boxes[0]))]
+    if math.prod(len(e) - 1 for e in edges) > GRID_CELLS:
+        return _swept(boxes)
+    count = np.zeros([len(e) - 1 for e in edges], np.int32)
+    for b in boxes:
+        count[tuple(slice(np.searchsorted(e, lo), np.searchsorted(e, hi)) for e, (lo, hi) in zip(edges, b))] += 1
+    if count.max() <= 1:
+        return None
+    point = [e[i] for e, i in zip(edges, np.unravel_index(np.argmax(count), count.shape))]
+    a, b, *_ = (x for x in boxes if all(lo <= p < hi for p, (lo, hi) in zip(point, x)))
+    return a, b
+
+
+def _swept(boxes: list[Box]) -> tuple[Box, Box] | None:
+    """``_overlapping`` by a sweep along the dimension where the boxes start at the most
+    places: each box is compared with those still open there only."""
+    d = max(range(len(boxes[0])), key=lambda d: len({b[d][0] for b in boxes}))
+    open_: list[Box] = []
+    for b in sorted(boxes, key=lambda b: b[d][0]):
+        open_ = [a for a in open_ if a[d][1] > b[d][0]]
+        for a in open_:
+            if _overlap(a, b) is not None:
+                return a, b
+        open_.append(b)
+    return None
 
 
 def _overlap(a: Box, b: Box) -> Box | None:
@@ -561,12 +707,36 @@ def _values(src: Path, meta: Any, names: list[str]) -> tuple[dict[str, Any], lis
         try:
             with _item(src, storage[name], where, tensors=False) as (value, *_):
                 pass
+        except (RefusedPickleError, _NotArchive):  # objects of other classes, or raw bytes
+            skipped.append(name)
+            continue
+        _check_size(value, where)
+        try:
             flatten({"v": value})  # a value the tree can hold: plain, JSON-like
-        except (FormatError, TypeError, InvalidNameError):  # FormatError: refused classes too
+        except (TypeError, InvalidNameError):
             skipped.append(name)
             continue
         values[name] = value
     return values, skipped
+
+
+MAX_VALUE_NODES = 1 << 20
+
+
+def _check_size(value: Any, where: str) -> None:
+    """A value of at most ``MAX_VALUE_NODES`` lists, dicts and scalars, counted as the tree
+    would walk them: a pickle that reuses one list at every level is a few hundred bytes and
+    would take years to walk."""
+    todo, seen = [value], 0
+    while todo:
+        x = todo.pop()
+        seen += 1
+        if seen > MAX_VALUE_NODES:
+            raise FormatError(f"{where}: holds more than {MAX_VALUE_NODES} items, counting each repeat")
+        if isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, list | tuple):
+            todo.extend(x)
 
 
 # --- Writing: each rank converts its share; one commit. ---
@@ -671,9 +841,11 @@ def _convert(
         _write_share(src, staging, meta, share(tensors, comm.rank, comm.world), io)
         staging.write_many(hierarchy.documents(meta, comm.rank, comm.world))
         staging.make_durable()
-    except Exception as err:
-        if comm.world == 1:  # one process: its own error, as it is
+    except BaseException as err:
+        if comm.world == 1:  # one process: its own error (or Ctrl-C), as it is
             staging.discard()
+            raise
+        if not isinstance(err, Exception):
             raise
         # Reported to every rank by ``commit_everywhere``, which then commits nothing.
         failure = f"{type(err).__name__}: {err}".encode()

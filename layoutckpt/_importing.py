@@ -11,7 +11,7 @@ from typing import Any
 from .base._errors import LayoutError
 from .base._version import __version__
 from .format._dtypes import numpy_dtype
-from .format._format import COMPRESSIONS, ArrayMeta, CheckpointMeta
+from .format._format import COMPRESSIONS, ArrayMeta, CheckpointMeta, check_readable
 from .format._hierarchy import user_metadata
 from .layout import _plan
 from .layout._layout import Layout
@@ -48,6 +48,7 @@ def array_meta(
     check_spec(spec, layout.mesh, len(shape), name, shape)
     outer = _plan.shard_shape(shape, spec, layout.mesh)
     inner = _plan.chunk_shape_for(outer, numpy_dtype(dtype).itemsize, inner_chunk_bytes)
+    check_readable(name, shape, outer, inner, numpy_dtype(dtype).itemsize, inner_chunk_bytes)
     return ArrayMeta(name_to_path(name), shape, dtype, outer, inner, spec, "torch", compression)
 
 

@@ -275,8 +275,8 @@ def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
     where = os.fspath(index)
     try:
         doc = json.loads(index.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FormatError(f"{where}: not valid JSON ({err})") from None
+    except (ValueError, RecursionError) as err:  # ValueError: bad UTF-8, bad JSON, an integer of 5,000 digits
+        raise FormatError(f"{where}: not valid JSON ({type(err).__name__}: {err})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FormatError(f"{where}: needs a 'weight_map' object of tensor name -> file name")

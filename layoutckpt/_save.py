@@ -30,14 +30,14 @@ from ._pieces import Piece, localize, padded_shard, source_of, tie, tree_nodes, 
 from ._stages import join, reconcile
 from .base import _faults
 from .base._arguments import check_save_arguments
-from .base._errors import InconsistentShardsError, LayoutError, SaveError
+from .base._errors import InconsistentShardsError, SaveError
 from .base._futures import SaveFuture, swap_in_flight, wait_previous
 from .base._gc import collector_paused
 from .base._metrics import SAVE_PHASES, InFlight, Metrics, Phases, report
 from .base._options import SaveAsyncKeywords, SaveKeywords, SaveOptions, options_of
 from .base._version import __version__
 from .format import _hierarchy as hierarchy
-from .format._format import ArrayMeta, CheckpointMeta, geometry_problem
+from .format._format import ArrayMeta, CheckpointMeta, check_readable
 from .format._hierarchy import user_metadata
 from .layout import _flat, _plan
 from .layout._flat import Flat
@@ -549,7 +549,7 @@ class _ToPlan:
     def meta(self, name: str, a: Piece, shape: tuple[int, ...], outer: tuple[int, ...], **more: Any) -> ArrayMeta:
         """The document of the array ``name`` (of ``a``'s dtype), stored in shards of ``outer``."""
         inner = _plan.chunk_shape_for(outer, a.itemsize, self.inner_chunk_bytes)
-        _check_readable(name, shape, outer, inner, a.itemsize, self.inner_chunk_bytes)
+        check_readable(name, shape, outer, inner, a.itemsize, self.inner_chunk_bytes)
         return ArrayMeta(
             path=name_to_path(name),
             shape=shape,
@@ -563,25 +563,6 @@ class _ToPlan:
 
 
 # What to change where an array's geometry is past a reader's limit (``geometry_problem``).
-_GEOMETRY_FIXES = {
-    "inner chunks per shard": "pass a larger inner_chunk_bytes",
-    "bytes of an inner chunk": "pass a smaller inner_chunk_bytes",
-    "shards": "split the array over fewer ranks",
-    "bytes of the array": "store it as several arrays",
-}
-
-
-def _check_readable(
-    name: str, shape: tuple[int, ...], outer: tuple[int, ...], inner: tuple[int, ...], itemsize: int, chunk: int
-) -> None:
-    """Refuse, on every rank alike (the plan is the same everywhere), an array that no reader
-    would open: a save must never commit what ``lc.open`` refuses as corrupt."""
-    problem = geometry_problem(shape, outer, inner, itemsize)
-    if problem is not None:
-        fix = next((f for what, f in _GEOMETRY_FIXES.items() if what in problem), "save it differently")
-        raise LayoutError(f"array {name!r} cannot be saved with inner_chunk_bytes={chunk}: {problem}; {fix}")
-
-
 def _remember(key: Any, planned: _Planned) -> None:
     """Keep ``planned`` as the newest plan; the oldest of more than ``_PLANS_KEPT`` goes.
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from ..base._errors import FormatError, InvalidNameError, NewerFormatError
+from ..base._errors import FormatError, InvalidNameError, LayoutError, NewerFormatError
 from ..layout._spec import Mesh, P
 from ..layout._tree import MAX_TREE_DEPTH, leaf_nodes
 from ._shard import COMPRESSIONS, compression_json
@@ -225,6 +225,26 @@ def geometry_problem(
         if value > limit:
             return f"{value} {what}, above the reader's limit of {limit}"
     return None
+
+
+GEOMETRY_FIXES = {
+    "inner chunks per shard": "pass a larger inner_chunk_bytes",
+    "bytes of an inner chunk": "pass a smaller inner_chunk_bytes",
+    "shards": "split the array over fewer ranks",
+    "bytes of the array": "store it as several arrays",
+}
+
+
+def check_readable(
+    name: str, shape: tuple[int, ...], outer: tuple[int, ...], inner: tuple[int, ...], itemsize: int, chunk: int
+) -> None:
+    """Refuse an array that no reader would open, before a byte is written: a save (or an import)
+    must never commit what ``lc.open`` refuses as corrupt. ``chunk`` is the ``inner_chunk_bytes``
+    it was given. The same on every rank: the plan is."""
+    problem = geometry_problem(shape, outer, inner, itemsize)
+    if problem is not None:
+        fix = next((f for what, f in GEOMETRY_FIXES.items() if what in problem), "save it differently")
+        raise LayoutError(f"array {name!r} cannot be saved with inner_chunk_bytes={chunk}: {problem}; {fix}")
 
 
 def _check_grid(name: str, meta: ArrayMeta, mesh: Mesh) -> None:

@@ -112,9 +112,9 @@ def parse_header(raw: bytes, where: str, data_bytes: int) -> tuple[tuple[TensorE
     that follow it: known dtypes, sizes that match the shapes, offsets that tile the data."""
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(where))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # ValueError: bad UTF-8, bad JSON, an integer of 5,000 digits
         raise FormatError(
-            f"{where}: the header is not valid JSON ({err}); not a safetensors file, or damaged"
+            f"{where}: the header is not valid JSON ({type(err).__name__}: {err}); not a safetensors file, or damaged"
         ) from None
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: the header must be a JSON object, got {type(doc).__name__}")

@@ -327,6 +327,25 @@ def test_import_bad_header_raises_format_error(tmp_path, header, data, match):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors"]
 
 
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [(b"[" * 100_000 + b"]" * 100_000, "RecursionError"), (b'{"n": ' + b"9" * 5000 + b"}", "ValueError")],
+)
+def test_import_header_too_deep_or_too_long_a_number(tmp_path, text, match):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(len(text).to_bytes(8, "little") + text)
+    with pytest.raises(lc.FormatError, match=rf"bad\.safetensors: the header is not valid JSON \({match}"):
+        import_safetensors(bad, tmp_path / "ck")
+
+
+def test_import_refuses_a_shape_no_reader_opens(tmp_path):
+    """0 bytes, but 2**62 columns: more inner chunks than a reader opens."""
+    bad = craft(tmp_path / "bad.safetensors", {"t": {"dtype": "F32", "shape": [0, 2**62], "data_offsets": [0, 0]}}, b"")
+    with pytest.raises(lc.LayoutError, match=r"'t'.*above the reader's limit"):
+        import_safetensors(bad, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
 def test_import_corrupt_and_truncated_files(tmp_path):
     safetensors.torch.save_file({"w": torch.randn(64, 8), "v": torch.randn(5)}, tmp_path / "good.safetensors")
     good = (tmp_path / "good.safetensors").read_bytes()
