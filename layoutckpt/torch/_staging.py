@@ -156,7 +156,7 @@ _ITEMS = threading.Condition(threading.Lock())
 class Staged:
     """One shard's bytes on the host, and the buffer to give back once they are written."""
 
-    __slots__ = ("_buffer", "_dst", "_error", "_event", "_pool", "_ready", "data", "source")
+    __slots__ = ("_buffer", "_copying", "_dropped", "_dst", "_error", "_event", "_pool", "_ready", "data", "source")
 
     def __init__(self, source: Any) -> None:
         self.source = source
@@ -167,6 +167,11 @@ class Staged:
         self._event: Any = None
         self._error: BaseException | None = None
         self._ready = False  # staged, or given up on; guarded by _ITEMS
+        # A copy into the buffer is under way (from taking it to ``_mark_ready``), and the
+        # writer gave the buffer back meanwhile: it goes back to the pool only once the copy
+        # is over, or a later save would take a buffer still being written. Guarded by _ITEMS.
+        self._copying = False
+        self._dropped = False
 
     def _set_ready(self) -> None:
         """With ``_ITEMS`` held."""
@@ -201,6 +206,8 @@ class Staged:
     def _take(self, pools: _Pools) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Take a buffer; a (destination, source) pair for torch sources, whose copy the caller
         batches. NumPy sources and empty arrays are done here."""
+        with _ITEMS:
+            self._copying = True  # before the buffer is taken: a release now must wait
         src = self.source
         if is_tensor(src):
             src = src.detach()
@@ -227,15 +234,23 @@ class Staged:
     def _mark_ready(self, event: Any, error: BaseException | None = None) -> None:
         """The copy is queued (CUDA: ``event`` says when it is done) or finished.
 
-        If the writer gave up on this item meanwhile, the buffer goes back at once.
+        If the writer gave up on this item meanwhile, the buffer goes back once the copy is.
         """
         self.source = None  # do not keep the caller's tensor alive
         with _ITEMS:
-            cancelled = self._ready
+            cancelled = self._ready or self._dropped
             self._event = event
             self._error = error
+            self._copying = False
             self._set_ready()
         if cancelled:
+            self.release()
+
+    def _copy_failed(self) -> None:
+        """Staging failed (``fail`` told the writer): a buffer taken for a copy goes back."""
+        with _ITEMS:
+            taken, self._copying = self._copying, False
+        if taken:
             self.release()
 
     def wait(self) -> np.ndarray:
@@ -254,10 +269,17 @@ class Staged:
         return self.data
 
     def release(self) -> None:
-        """Give the buffer back for reuse; safe to call twice, from any thread."""
+        """Give the buffer back for reuse, once no copy writes into it; safe to call twice,
+        from any thread."""
         with _ITEMS:
+            if self._copying:
+                self._dropped = True  # ``_mark_ready`` calls again once the copy is over
+                return
             buf, self._buffer = self._buffer, None
+            event, self._event = self._event, None
             self.data = self._dst = None
+        if event is not None:
+            event.synchronize()  # a device copy still queued into the buffer
         if buf is not None and self._pool is not None:
             self._pool.release(buf)
 
@@ -301,6 +323,7 @@ def stage_all(items: list[Staged], budget: int | None, stream: Any) -> None:
     except BaseException as err:
         for s in items:
             s.fail(err)
+            s._copy_failed()
         raise
 
 
