@@ -7,6 +7,8 @@ future, the next ``save_async`` raises it before doing anything else.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook, before ours below
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -159,3 +161,17 @@ def wait_previous() -> BaseException | None:
         return None
     prev._observed = True
     return err
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit, finish the save in flight, and log its failure if nobody saw it.
+
+    Registered after ``concurrent.futures``' own hook, so it runs first (hooks run newest
+    first): theirs refuses new work to every thread pool, and a save still writing through
+    one would fail, unseen, leaving its checkpoint uncommitted."""
+    err = wait_previous()
+    if err is not None:
+        logging.getLogger("layoutckpt").error("a save still in flight at exit failed: %s", err)
+
+
+threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]  # what concurrent.futures uses

@@ -522,3 +522,27 @@ def test_load_async_equals_load_and_checks_the_template_at_the_call(tmp_path):
         lc.load_async(path, like=like)
     with pytest.raises(lc.LayoutError, match=r"'model\.w'"):
         lc.load_async(path, lc.Layout(lc.Mesh({"tp": 1}), [(r"^model\.w$", lc.P(None, None, "tp")), (".*", lc.P())]))
+
+
+_EXITS_AT_ONCE = """
+import sys, torch, layoutckpt as lc
+w = torch.arange(4096 * 1024, dtype=torch.float32).reshape(4096, 1024)  # 16 MiB: written by a thread pool
+lc.save_async(sys.argv[1], {"w": w}, lc.Layout.replicated(), step=2, overwrite=True)
+"""
+
+
+def test_a_script_that_ends_right_after_save_async_still_commits(tmp_path: Path) -> None:
+    """Exit hooks run newest first: the save's finishes before concurrent.futures refuses new
+    work to the thread pools the save writes through."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ck"
+    lc.save(path, {"w": torch.zeros(4)}, lc.Layout.replicated(), step=1)
+    done = subprocess.run(
+        [sys.executable, "-c", _EXITS_AT_ONCE, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "failed" not in done.stderr, done.stderr
+    with lc.open(path) as rd:
+        assert rd.step == 2
+        np.testing.assert_array_equal(rd.read("w"), np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024))
