@@ -15,7 +15,7 @@ from pathlib import Path
 from .base import _faults
 from .storage import _commit, _store
 from .storage._commit import LEFTOVER
-from .storage._location import MARKER, Location, locate
+from .storage._location import MARKER, PENDING, Location, locate
 
 _STEP = re.compile(r"^step_(\d+)$")
 STEP_PREFIX = "step_"
@@ -27,9 +27,11 @@ def step_dir(step: int) -> str:
 
 
 def step_of(name: str) -> int | None:
-    """The step whose folder is called ``name`` (``step_dir``'s inverse), or None."""
+    """The step whose folder is called ``name`` (``step_dir``'s inverse), or None. Only the
+    names ``step_dir`` gives count: ``step_5`` is a folder of someone else's, which retention
+    would never find to delete under its name ``step_00000005``."""
     m = _STEP.match(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and step_dir(int(m.group(1))) == name else None
 
 
 def to_delete(steps: list[int], keep_last: int | None, keep_every: int | None) -> list[int]:
@@ -75,13 +77,23 @@ def leftovers(root: str | os.PathLike[str]) -> list[tuple[str, str]]:
     found = []
     for e in sorted(os.scandir(root), key=lambda e: e.name):
         m = LEFTOVER.match(e.name)
-        if m:
+        if m and step_of(m.group("name")) is not None:
             final = Path(root, m.group("name"))
             restore = m.group("kind") == "old" and not final.exists() and _store.is_committed(e.path)
             found.append((e.name, "restore" if restore else "remove"))
-        elif _STEP.match(e.name) and e.is_dir() and not _store.is_committed(e.path):
+        elif step_of(e.name) is not None and e.is_dir() and _unfinished(e.path):
             found.append((e.name, "remove"))
     return found
+
+
+def _unfinished(path: str) -> bool:
+    """Whether the step folder ``path`` is one layoutckpt left uncommitted: empty, or marked
+    as a save or a deletion under way (``PENDING``). A folder of someone else's files that
+    happens to bear a step's name is left alone."""
+    if _store.is_committed(path):
+        return False
+    names = os.listdir(path)
+    return not names or PENDING in names
 
 
 def step_folders(root: str | os.PathLike[str]) -> list[tuple[int, str, bool]]:

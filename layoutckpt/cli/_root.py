@@ -82,8 +82,8 @@ def is_local(path: str) -> bool:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .._retention import collect_garbage, steps_after_cleanup
-    from .._steps import leftovers, step_dir
+    from .._retention import LOCK_FILE, collect_garbage, steps_after_cleanup
+    from .._steps import leftovers, step_dir, step_folders
 
     root = args.root
     if is_committed(root):
@@ -98,6 +98,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         root = root.removeprefix("file://")
         if not os.path.isdir(root):
             raise NotFound(f"no CheckpointManager root at {root!r}: not a directory")
+        if not step_folders(root) and not os.path.exists(os.path.join(root, LOCK_FILE)):
+            # Not a folder a manager ever ran in: gc neither deletes nor locks anything there.
+            raise NotFound(f"no CheckpointManager root at {root!r}: it holds no step_* folder and no {LOCK_FILE}")
         junk = leftovers(root)  # object stores have none: a step's save clears its own
     doomed = collect_garbage(root, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run)
     kept = [s for s in steps_after_cleanup(root) if s not in doomed]

@@ -28,6 +28,7 @@ import layoutckpt as lc
 from layoutckpt.cli import _main as _cli
 from layoutckpt.cli._read import parse_index
 from layoutckpt.engine import _readplan
+from layoutckpt.storage._location import PENDING
 from tests.support.counters import bytes_read
 from tests.support.paths import GOLDEN as GOLDENS
 
@@ -160,6 +161,7 @@ def test_ls_of_a_manager_root_lists_its_steps(capsys, tmp_path):
         for step in (10, 20):
             mgr.save(step, {"w": np.full((8, 8), step, dtype=np.float32)})
     (root / "step_00000030" / "w").mkdir(parents=True)
+    (root / "step_00000030" / PENDING).write_bytes(b"")  # a save under way, never committed
     (root / ".step_00000040.tmp-0123456789ab").mkdir()
     code, out, _ = run(capsys, "ls", root, "--json")
     assert code == 0
@@ -175,6 +177,18 @@ def test_ls_of_a_manager_root_lists_its_steps(capsys, tmp_path):
     }
     text = run(capsys, "ls", root)[1]
     assert "2 committed steps, latest 20" in text and "uncommitted" in text
+
+
+def test_gc_of_a_folder_no_manager_ran_in_touches_nothing(capsys, tmp_path):
+    """Names like a manager's own (a step folder, a staging folder) in a folder of someone
+    else's: gc refuses it, deletes nothing and takes no lock."""
+    home = tmp_path / "home"
+    for name in (".cache.tmp-abc123", "step_7"):
+        (home / name).mkdir(parents=True)
+        (home / name / "results.txt").write_text("mine")
+    code, _, err = run(capsys, "gc", home, "--keep-last", "1")
+    assert code == 1 and "no CheckpointManager root" in err, err
+    assert sorted(p.name for p in home.iterdir()) == [".cache.tmp-abc123", "step_7"]
 
 
 # --- read --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import layoutckpt as lc
 from layoutckpt import _manager, _retention
 from layoutckpt.base import _faults
+from layoutckpt.storage._location import PENDING
 from tests.support.oracle import local_shard
 
 LAYOUT = lc.Layout.replicated()
@@ -304,26 +305,34 @@ def test_restart_removes_leftovers_and_restores_an_interrupted_overwrite(tmp_pat
     shutil.copytree(root / "step_00000001", root / ".step_00000005.tmp-0123abcd")  # a save, marker and all
     shutil.copytree(root / "step_00000001", root / ".step_00000002.del-0123abcd")  # a deletion, still whole
     uncommitted = root / "step_00000007"
-    shutil.copytree(root / "step_00000001", uncommitted)  # a step dir without its marker
+    shutil.copytree(root / "step_00000001", uncommitted)  # a step dir under way, without its marker
     (uncommitted / "zarr.json").unlink()
+    (uncommitted / PENDING).write_bytes(b"")
     assert any(files for _, _, files in os.walk(uncommitted / "model"))
     # An overwrite of step 3 that crashed between its two renames: the old checkpoint aside,
     # the new one never renamed in.
     os.rename(root / "step_00000003", root / ".step_00000003.old-0123abcd")
     # An overwrite of step 4 that crashed after both renames: the old one is garbage.
     shutil.copytree(root / "step_00000001", root / ".step_00000004.old-0123abcd")
-    # Things that are not the manager's are left alone.
+    # Things that are not the manager's are left alone: names like its own included.
     (root / "notes.txt").write_text("mine")
     (root / ".hidden").mkdir()
+    (root / ".cache.tmp-0123abcd").mkdir()
+    for foreign in ("step_00000008", "step_9"):
+        (root / foreign).mkdir()
+        (root / foreign / "results.txt").write_text("mine")
 
     with lc.CheckpointManager(root) as mgr:
         assert entries(root) == [
+            ".cache.tmp-0123abcd",
             ".hidden",
             _retention.LOCK_FILE,
             "notes.txt",
             "step_00000001",
             "step_00000003",
             "step_00000004",
+            "step_00000008",
+            "step_9",
         ]
         assert mgr.steps() == [1, 3, 4]
         assert_state(mgr.load(step=3), 3)

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 import layoutckpt as lc
+from layoutckpt.storage._location import PENDING
 from tests.support import crash_worker as cw
 
 WORKER = Path(__file__).resolve().parent / "crash_worker.py"
@@ -634,12 +635,13 @@ def seed_leftovers(root: Path, arrays: int) -> None:
     """Beside committed steps, one leftover of each kind a crash leaves (many files each): step 4
     set aside whole by an interrupted overwrite (``.old-``, its folder gone: to be put back),
     step 5 half retired (``.del-``), step 6 a finished save never renamed (``.tmp-``, its marker
-    inside), step 7 a step folder without its marker."""
+    inside), step 7 a step folder without its marker, marked as under way (``PENDING``)."""
     seed_many(root, [4, 5, 6, 7], arrays)
     aside(root, 4, "old")
     aside(root, 5, "del")
     aside(root, 6, "tmp")
     (step_path(root, 7) / "zarr.json").unlink()
+    (step_path(root, 7) / PENDING).write_bytes(b"")
 
 
 def restart_in_process(root: Path, expected: list[int], *, keep_last: int | None = None) -> list[str]:
