@@ -6,16 +6,20 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .._reader import Reader, similar_names
+from ..base._errors import CheckpointExistsError
 from ..engine import _readplan
 from ..engine._read import BoxRead
 from ..format._dtypes import ZARR_TO_NUMPY
 from ..layout._index import index_box
 from ..layout._plan import Box, box_shape, box_view
+from ..storage._commit import write_file_atomically
+from ..storage._location import check_outside_checkpoints
 from ._common import PROG, NotFound, UsageError, open_checkpoint
 from ._text import human, json_safe, progress
 
@@ -91,13 +95,24 @@ def npy_ready(data: np.ndarray, name: str) -> np.ndarray:
     return data.view(bits)
 
 
+def _check_out(out: str) -> None:
+    """``--out`` must not land inside a checkpoint: it would replace one of its files."""
+    try:
+        check_outside_checkpoints(Path(out), "an .npy file", itself=True)
+    except CheckpointExistsError as err:
+        raise UsageError(f"--out {err}") from None
+
+
 def cmd_read(args: argparse.Namespace) -> int:
+    if args.out:
+        _check_out(args.out)
     with open_checkpoint(args.path) as rd:
         array_or_value(rd, args.name)
         if args.name in rd.value_keys():
-            if args.slice or args.out:
+            if args.slice or args.out or args.astype:
                 raise UsageError(
-                    f"{args.name!r} is a JSON value ({rd.read(args.name)!r}), not an array: it has no slices or .npy form"
+                    f"{args.name!r} is a JSON value ({rd.read(args.name)!r}), not an array: it has no slices, "
+                    ".npy form or data type"
                 )
             print(json.dumps(json_safe(rd.read(args.name))))
             return 0
@@ -112,8 +127,9 @@ def cmd_read(args: argparse.Namespace) -> int:
         what = f"{args.name}" + (f"[{args.slice}]" if args.slice else "")
         header = f"{what}: {data.dtype} {data.shape}" + (f" of {info.shape}" if args.slice else "")
         if args.out:
-            with open(args.out, "wb") as f:
-                np.save(f, npy_ready(data, args.name), allow_pickle=False)
+            # Whole or not at all: a read that fails leaves a file already there as it was.
+            ready = npy_ready(data, args.name)
+            write_file_atomically(Path(args.out), lambda f: np.save(f, ready, allow_pickle=False))
             print(f"wrote {args.out}: {header}, {human(data.nbytes)}")
             return 0
         print(header)

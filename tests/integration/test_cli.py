@@ -205,6 +205,17 @@ def test_slices_select_what_numpy_selects(index):
     assert got.shape == want.shape and np.array_equal(got, want)
 
 
+def test_read_out_never_writes_into_a_checkpoint(capsys, tmp_path):
+    ck = tmp_path / "ck"
+    lc.save(ck, {"w": np.arange(64, dtype=np.float32).reshape(8, 8)})
+    for inside in (ck / "zarr.json", ck / "w" / "c.0.0", ck / "new.npy"):
+        before = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+        code, _, err = run(capsys, "read", ck, "w", "--out", inside)
+        assert code == 2 and "lies inside the checkpoint" in err, err
+        assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == before
+    assert run(capsys, "verify", ck)[0] == 0
+
+
 def test_read_saves_and_prints_bit_for_bit(capsys, tmp_path, small):
     path, state = small
     emb = state["model"]["embed"]["weight"].numpy()
