@@ -7,10 +7,12 @@ so the ``safetensors`` package is needed only by the tests, which check the file
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from .layout import _plan
 from .layout._layout import Layout
 from .layout._plan import Box
 from .layout._tree import check_no_prefix_clash
-from .storage._commit import new_token, write_file_atomically
+from .storage._commit import new_token, publish, write_beside, write_file_atomically
 from .storage._location import Location, check_outside_checkpoints
 
 # Bytes of an array held at once when exporting (one C-order block, written whole).
@@ -166,9 +168,11 @@ def export_safetensors(
     Tensors are named by their global names (``model.layers.0.attn.q_proj.weight``), or by
     ``rename(name)``. ``select=`` picks arrays as in ``load`` (a regex, names, or a predicate).
     JSON leaves are not exported (safetensors holds tensors only), and a tied weight is
-    exported once, under its first name. Arrays are read in blocks of about 16 MiB, each file
-    is written under a temporary name and renamed when complete, the index last. Files of an
-    earlier export into ``out_dir`` are replaced, not removed: export into an empty folder.
+    exported once, under its first name. Arrays are read in blocks of about 16 MiB into files
+    under temporary names; once every file is complete they are renamed into place, the index
+    last. An earlier export of ``prefix`` into ``out_dir`` is replaced as a whole (its index
+    goes first, its files that the new set lacks after); one that fails leaves the earlier
+    export as it was and nothing of its own.
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
@@ -181,20 +185,49 @@ def export_safetensors(
         files = plan_files(arrays, max_shard_bytes)
         out = Path(out_dir)
         check_outside_checkpoints(out, "safetensors files", itself=True)
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
-        written, weight_map = [], {}
-        for i, group in enumerate(files, 1):
-            name = f"{prefix}.safetensors" if len(files) == 1 else f"{prefix}-{i:05d}-of-{len(files):05d}.safetensors"
-            file = out / name
-            write_file_atomically(file, lambda f, group=group: _write_file(rd, f, group))
-            written.append(os.fspath(file))
-            weight_map.update((a.out, file.name) for a in group)
-    if len(files) == 1:
+        staged: list[tuple[Path, Path]] = []
+        weight_map = {}
+        try:
+            for i, group in enumerate(files, 1):
+                name = (
+                    f"{prefix}.safetensors" if len(files) == 1 else f"{prefix}-{i:05d}-of-{len(files):05d}.safetensors"
+                )
+                file = out / name
+                staged.append((write_beside(file, lambda f, group=group: _write_file(rd, f, group)), file))
+                weight_map.update((a.out, file.name) for a in group)
+        except BaseException:
+            for tmp, _ in staged:
+                tmp.unlink(missing_ok=True)
+            if created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()
+            raise
+    index = None
+    if len(files) > 1:
+        total = sum(a.nbytes for a in arrays)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return _replace_export(out, prefix, staged, index)
+
+
+def _replace_export(out: Path, prefix: str, staged: list[tuple[Path, Path]], index: dict[str, Any] | None) -> list[str]:
+    """Put the staged files of an export in place of any earlier export of ``prefix`` in
+    ``out``: the old index first (no index ever names a mixed set), then the new files, then
+    the old files the new set lacks, then the new index. The paths written, the index last."""
+    index_file = out / f"{prefix}.safetensors.index.json"
+    member = re.compile(rf"{re.escape(prefix)}(\.safetensors|-\d{{5}}-of-\d{{5}}\.safetensors)")
+    earlier = {p for p in out.iterdir() if member.fullmatch(p.name)}
+    index_file.unlink(missing_ok=True)
+    for tmp, file in staged:
+        publish(tmp, file)
+    for stale in earlier - {file for _, file in staged}:
+        stale.unlink(missing_ok=True)
+    written = [os.fspath(file) for _, file in staged]
+    if index is None:
         return written
-    index = {"metadata": {"total_size": sum(a.nbytes for a in arrays)}, "weight_map": dict(sorted(weight_map.items()))}
-    file = out / f"{prefix}.safetensors.index.json"
-    write_file_atomically(file, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()))
-    return [*written, os.fspath(file)]
+    write_file_atomically(index_file, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()))
+    return [*written, os.fspath(index_file)]
 
 
 def _exports(rd: Reader, names: list[str], rename: Callable[[str], str] | None) -> list[_Out]:

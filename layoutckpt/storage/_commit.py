@@ -73,16 +73,27 @@ def rename(src: Path, dst: Path) -> None:
 def write_file_atomically(file: Path, write: Callable[[BinaryIO], None]) -> None:
     """Publish the file ``file`` whose bytes ``write(f)`` writes: a reader never sees half of
     it under its name, and a crash leaves at most a ``.tmp-`` file beside it."""
+    tmp = write_beside(file, write)
+    try:
+        publish(tmp, file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_beside(file: Path, write: Callable[[BinaryIO], None]) -> Path:
+    """The durable temporary file beside ``file`` whose bytes ``write(f)`` writes, for the
+    caller to publish; removed where the write fails."""
     tmp = temp_path(file, new_token())
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        publish(tmp, file)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return tmp
 
 
 def retire(path: Path) -> bool:

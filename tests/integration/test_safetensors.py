@@ -139,6 +139,40 @@ def test_export_shards_and_index(tmp_path):
     assert not [p for p in (tmp_path / "hf").iterdir() if p.name.startswith(".")], "temporary files left"
 
 
+def _layers(value: float) -> dict:
+    return {f"layers.{i}.weight": torch.full((10, 10), value) for i in range(3)}  # 400 bytes each
+
+
+def test_a_new_export_replaces_an_earlier_one_as_a_whole(tmp_path):
+    """Three files and an index, then one file: the earlier set and its index go, so a folder
+    import reads the new weights, not the old ones through the stale index."""
+    lc.save(tmp_path / "a", _layers(1.0), lc.Layout.replicated())
+    lc.save(tmp_path / "b", {"w": torch.full((4,), 2.0)}, lc.Layout.replicated())
+    export_safetensors(tmp_path / "a", tmp_path / "hf", max_shard_bytes=400)
+    assert len(os.listdir(tmp_path / "hf")) == 4
+    assert export_safetensors(tmp_path / "b", tmp_path / "hf") == [os.fspath(tmp_path / "hf" / "model.safetensors")]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["model.safetensors"]
+    import_safetensors(tmp_path / "hf", tmp_path / "back")
+    assert lc.load(tmp_path / "back")["w"].tolist() == [2.0] * 4
+
+
+def test_a_failed_export_leaves_the_earlier_one_and_nothing_of_its_own(tmp_path):
+    lc.save(tmp_path / "old", _layers(1.0), lc.Layout.replicated())
+    export_safetensors(tmp_path / "old", tmp_path / "hf", max_shard_bytes=400)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    lc.save(tmp_path / "new", _layers(2.0), lc.Layout.replicated())
+    shard = tmp_path / "new" / "layers" / "2" / "weight" / "c.0.0"
+    raw = bytearray(shard.read_bytes())
+    raw[0] ^= 0xFF  # the last file's array fails its checksum after two files are written
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(lc.IntegrityError, match=r"layers\.2\.weight"):
+        export_safetensors(tmp_path / "new", tmp_path / "hf", max_shard_bytes=400)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    with pytest.raises(lc.IntegrityError):
+        export_safetensors(tmp_path / "new", tmp_path / "fresh", max_shard_bytes=400)
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_export_large_array_in_many_blocks(tmp_path, monkeypatch):
     # Small blocks, so one array is written in many reads, including rows split into pieces.
     monkeypatch.setattr(_safetensors, "BLOCK_BYTES", 100)
