@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -105,6 +105,16 @@ class HostBuffers:
             if out is None:
                 out = views[key] = buf.view(dtype).view(shape)
             return out
+
+    def trim(self, wanted: Counter[int]) -> None:
+        """Keep for reuse at most ``wanted[n]`` free buffers of each size ``n`` (what the save
+        about to stage takes): a state whose shapes change from save to save would otherwise
+        keep every size it ever had."""
+        with self._cond:
+            for size, free in self._free.items():
+                while len(free) > wanted[size]:
+                    free.pop()
+                    self._free_bytes -= size
 
     def clear(self) -> None:
         """Drop every buffer kept for reuse (buffers in use are unaffected)."""
@@ -314,6 +324,7 @@ def stage_all(items: list[Staged], budget: int | None, stream: Any) -> None:
     back from the writer thread hundreds of times. Over the budget, items go one at a time so
     the writer can return buffers in between (back-pressure).
     """
+    _trim_pools(items)
     try:
         if budget is None or sum(s.nbytes for s in items) <= budget:
             _copy_batch(items, budget, stream)
@@ -325,6 +336,18 @@ def stage_all(items: list[Staged], budget: int | None, stream: Any) -> None:
             s.fail(err)
             s._copy_failed()
         raise
+
+
+def _trim_pools(items: list[Staged]) -> None:
+    """Free the kept buffers that this save, the only one staging, will not take."""
+    wanted: dict[bool, Counter[int]] = {False: Counter(), True: Counter()}
+    for s in items:
+        src = s.source
+        wanted[is_tensor(src) and src.is_cuda][s.nbytes] += 1
+    with _POOLS_LOCK:
+        pools = dict(_POOLS)
+    for pinned, p in pools.items():
+        p.trim(wanted[pinned])
 
 
 class _Pools:

@@ -546,3 +546,14 @@ def test_a_script_that_ends_right_after_save_async_still_commits(tmp_path: Path)
     with lc.open(path) as rd:
         assert rd.step == 2
         np.testing.assert_array_equal(rd.read("w"), np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024))
+
+
+def test_the_pool_keeps_only_the_buffers_of_the_latest_save(tmp_path: Path) -> None:
+    """A state whose shapes change from save to save: the pool holds one save's worth, not
+    every size it ever staged."""
+    pool = _staging.pool(pinned=False, budget=None)
+    pool.clear()
+    for i in range(8):
+        state = {"w": torch.ones(1000 + i, 64), "b": torch.ones(7 + i)}
+        lc.save_async(tmp_path / f"ck{i}", state, lc.Layout.replicated()).result()
+        assert pool.held_bytes == (1000 + i) * 64 * 4 + (7 + i) * 4, i
