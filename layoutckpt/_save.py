@@ -705,6 +705,12 @@ def _write_and_commit(
         job.phases.since("write", start)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         failure = f"{type(err).__name__}: {err}".encode()
+    except BaseException:
+        # Ctrl-C in a synchronous save: one process alone writes the staging folder, and takes
+        # it away; ranks of a job are stopped together, and their restart clears it.
+        if comm.world == 1:
+            job.tmp.discard()
+        raise
     try:
         start = time.perf_counter()
         commit_everywhere(comm, job.tmp, job.final, job.meta, failure, job.options.overwrite)

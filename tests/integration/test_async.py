@@ -557,3 +557,16 @@ def test_the_pool_keeps_only_the_buffers_of_the_latest_save(tmp_path: Path) -> N
         state = {"w": torch.ones(1000 + i, 64), "b": torch.ones(7 + i)}
         lc.save_async(tmp_path / f"ck{i}", state, lc.Layout.replicated()).result()
         assert pool.held_bytes == (1000 + i) * 64 * 4 + (7 + i) * 4, i
+
+
+def test_ctrl_c_in_a_synchronous_save_leaves_the_last_checkpoint_and_no_staging(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    lc.save(path, {"w": torch.zeros(4)}, lc.Layout.replicated(), step=1)
+
+    def interrupted(**_: object) -> None:
+        raise KeyboardInterrupt
+
+    with _faults.hooks({"save.box_written": interrupted}), pytest.raises(KeyboardInterrupt):
+        lc.save(path, {"w": torch.ones(4)}, lc.Layout.replicated(), step=2, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert lc.open(path).step == 1
