@@ -197,7 +197,7 @@ class Reader:
             self._boxes = self._arrays.box_reader(self.path, self._complete, self._io)
         return self._boxes
 
-    def read(self, name: str, index: Any = None, *, out: Any = None) -> Any:
+    def read(self, name: str, index: Any = ..., *, out: Any = None) -> Any:
         """The array ``name`` (or ``index`` of it, e.g. ``np.s_[0:8, :]``) as NumPy; a JSON leaf's value.
 
         Indexes mean what they mean to NumPy. Only the inner chunks the covering box of the index
@@ -207,7 +207,7 @@ class Reader:
         into one buffer pays for fresh memory once.
         """
         if name in self._values:
-            if out is not None or index is not None:
+            if out is not None or index is not Ellipsis:
                 raise TemplateMismatchError(f"{name!r} is a JSON value, not an array; read it without an index or out=")
             return decode_value(self._values[name])
         stored = self.aliases.get(name, name)
@@ -225,7 +225,7 @@ class Reader:
         np.copyto(_out_array(out, name, value.shape, dtype), value)
         return out
 
-    def read_torch(self, name: str, index: Any = None, *, out: Any = None) -> Any:
+    def read_torch(self, name: str, index: Any = ..., *, out: Any = None) -> Any:
         """The array ``name`` (or ``index`` of it) as a CPU ``torch.Tensor`` of the stored dtype.
 
         Reads as ``read`` does, then hands the NumPy result to torch without copying it, for
@@ -254,7 +254,7 @@ class Reader:
     def read_many(self, items: Iterable[str | tuple[str, Any]]) -> list[np.ndarray]:
         """Several arrays (names, or ``(name, index)`` pairs) read with all their reads in flight
         together, in the order given."""
-        wanted = [(item, None) if isinstance(item, str) else tuple(item) for item in items]
+        wanted = [(item, ...) if isinstance(item, str) else tuple(item) for item in items]
         requests, posts = [], []
         for name, index in wanted:
             stored = self.aliases.get(name, name)
@@ -292,7 +292,7 @@ class Reader:
         readers (verify, the CLI, export, the JAX loader)."""
         return read_boxes(self._reader, requests, io=self._io, on_damage=on_damage)
 
-    def read_async(self, name: str, index: Any = None) -> Future[Any]:
+    def read_async(self, name: str, index: Any = ...) -> Future[Any]:
         """A future of ``read(name, index)``: the read runs on a thread of the reader's own."""
         if self._async is None:
             self._async = ThreadPoolExecutor(1, thread_name_prefix="layoutckpt-read-async")

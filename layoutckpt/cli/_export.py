@@ -39,7 +39,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.to == "zarr":
         return to_zarr(args)
     if args.overwrite:
-        raise UsageError("--overwrite is for --to zarr; a safetensors export replaces an earlier export of its --prefix")
+        raise UsageError(
+            "--overwrite is for --to zarr; a safetensors export replaces an earlier export of its --prefix"
+        )
     return to_safetensors(args)
 
 

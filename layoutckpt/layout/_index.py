@@ -21,15 +21,14 @@ def index_box(index: Any, shape: tuple[int, ...], name: str) -> tuple[Box, Any]:
 
     Indexes mean what they mean to NumPy: negative positions count from the end, slices clip at
     the ends, steps and reversals are taken in memory from the covering box. An index of another
-    kind (``None``, arrays, lists, booleans) covers the whole array and is applied as NumPy
-    applies it. A position out of range raises ``IndexError`` naming the array.
+    kind (``None`` as NumPy's new axis, arrays, lists, booleans) covers the whole array and is
+    applied as NumPy applies it. ``...`` is the whole array. A position out of range raises
+    ``IndexError`` naming the array.
     """
     whole = tuple((0, n) for n in shape)
-    if index is None:
-        return whole, None
     terms = index if isinstance(index, tuple) else (index,)
     if not all(_is_basic(t) for t in terms) or terms.count(Ellipsis) > 1:
-        return whole, index
+        return whole, terms
     if Ellipsis in terms:
         at = terms.index(Ellipsis)
         terms = terms[:at] + (slice(None),) * (len(shape) - len(terms) + 1) + terms[at + 1 :]

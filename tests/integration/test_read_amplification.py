@@ -116,7 +116,7 @@ def middle_chunks(info: lc.ArrayInfo) -> tuple[tuple[int, int], ...]:
 
 @pytest.mark.parametrize(
     "index",
-    [None, np.s_[100:2900, 64:2000], np.s_[:, :1024]],
+    [..., np.s_[100:2900, 64:2000], np.s_[:, :1024]],
     ids=["whole", "box", "columns"],
 )
 def test_a_large_read_in_one_shard_streams_through_it_into_the_result(tmp_path, index, monkeypatch):
@@ -129,7 +129,7 @@ def test_a_large_read_in_one_shard_streams_through_it_into_the_result(tmp_path, 
     lc.save(path, {"w": full}, lc.Layout.replicated())
     rd = lc.open(path)
     info = rd.info("w")
-    view = full.numpy() if index is None else full.numpy()[index]
+    view = full.numpy()[index]
     assert view.nbytes >= lc.IOConfig().large_read_bytes
 
     before = bytes_read()
@@ -139,7 +139,7 @@ def test_a_large_read_in_one_shard_streams_through_it_into_the_result(tmp_path, 
     assert got.tobytes() == view.tobytes() and got.shape == view.shape
     box = (
         tuple((0, n) for n in info.shape)
-        if index is None
+        if index is Ellipsis
         else tuple((sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(index, info.shape))
     )
     assert len(reads) == 1 and reads[0][0] == box and reads[0][1] is got and reads[0][2] == {"prefetch": True}

@@ -144,6 +144,9 @@ def test_a_read_only_out_and_a_json_value_are_refused(saved):
         np.s_[50:10:-7, ::-2],
         np.s_[5:2],
         np.s_[-3:-20:-1],
+        np.newaxis,
+        np.s_[None, 2:5, None],
+        ...,
     ],
     ids=str,
 )
