@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -298,11 +298,20 @@ def _materialize(reader: Reader, plans: list[_ArrayPlan]) -> dict[str, jax.Array
 
     for stored in [s for s, n in left.items() if n == 0]:
         place(stored)
-    for r, _ in reader.read_boxes(requests):
+    # Handed over, not kept: the read engine lets each request (and the view of its host array
+    # it holds) go once read, so a placed array's host memory is freed before the next is read.
+    for r, _ in reader.read_boxes(_handed_over(requests)):
         left[r.key] -= 1
         if left[r.key] == 0:
             place(r.key)
     return {p.name: built[p.stored, p.sharding] for p in plans}
+
+
+def _handed_over(items: list[BoxRead]) -> Iterator[BoxRead]:
+    """``items``, emptying the list as they are taken."""
+    items.reverse()
+    while items:
+        yield items.pop()
 
 
 def _covering_reads(meta: ArrayMeta, boxes: list[Box]) -> tuple[Box, list[Box]]:

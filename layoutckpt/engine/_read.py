@@ -85,7 +85,9 @@ def read_boxes(
     """
     stats = stats if stats is not None else ReadStats()
     # An empty box reads nothing but still yields its (empty) destination, in its place.
-    planned = [(r, reader.pieces(r.meta, r.box, stream=stream) if box_size(r.box) else []) for r in requests]
+    # Taken from the left as the reads go: a request (and the destination it holds) is let go
+    # once yielded, so a caller that drops each array after it is done holds one at a time.
+    planned = deque((r, reader.pieces(r.meta, r.box, stream=stream) if box_size(r.box) else []) for r in requests)
     reader.expect([(r.meta, r.box) for r, pieces in planned if pieces])
     start = time.perf_counter()
     try:
@@ -116,11 +118,12 @@ def _view(out: np.ndarray, box: Box, piece: Box) -> np.ndarray:
 
 def _inline(
     reader: BoxReader,
-    planned: list[tuple[BoxRead, list[tuple[Box, bool]]]],
+    planned: deque[tuple[BoxRead, list[tuple[Box, bool]]]],
     stats: ReadStats,
     on_damage: OnDamage | None,
 ) -> Iterator[tuple[BoxRead, np.ndarray]]:
-    for r, pieces in planned:
+    while planned:
+        r, pieces = planned.popleft()
         out = _destination(r)
         stats.in_flight.start(r.nbytes)
         try:
@@ -176,9 +179,10 @@ class _Scheduler:
         self.fresh = 0  # bytes in flight into destinations the engine made (not the caller's)
         self.damaged: set[int] = set()
 
-    def run(self, planned: list[tuple[BoxRead, list[tuple[Box, bool]]]]) -> Iterator[tuple[BoxRead, np.ndarray]]:
+    def run(self, planned: deque[tuple[BoxRead, list[tuple[Box, bool]]]]) -> Iterator[tuple[BoxRead, np.ndarray]]:
         try:
-            for r, pieces in planned:
+            while planned:
+                r, pieces = planned.popleft()
                 out = _destination(r)
                 if not pieces:
                     self.add(_Item(r, out, None, False, 0, True))
@@ -276,7 +280,13 @@ class _Scheduler:
                 self.stats.in_flight.done(item.nbytes)
                 self.in_flight -= item.nbytes
                 self.fresh -= item.nbytes if item.request.out is None else 0
-        for item, err in zip(items, found):
+        # Each item is let go as it is yielded: a caller that frees a destination once it is
+        # done with it must not find the rest of the batch holding it.
+        held: list[_Item | None] = list(items)
+        del items
+        for i, err in enumerate(found):
+            item, held[i] = held[i], None
+            assert item is not None
             r = item.request
             if err is None:
                 self.stats.bytes += item.nbytes

@@ -376,6 +376,26 @@ def test_each_array_is_placed_once_its_boxes_are_read(saved, cpus, monkeypatch):
     assert placed == [1] * (len(stored.keys()))
 
 
+def test_a_placed_arrays_host_memory_is_freed_before_the_next_is_placed(saved, cpus, monkeypatch):
+    """Nothing of layoutckpt's (the read engine's requests and batches included) holds the
+    host array of a stored array once it is placed: the host holds about one array at a time,
+    never the whole checkpoint. (The placement here hands JAX nothing: what JAX keeps of its
+    source for a while is JAX's.)"""
+    import weakref
+
+    hosts: list[tuple[str, weakref.ref]] = []
+
+    def place(plan, region, host):
+        alive = [stored for stored, ref in hosts if stored != plan.stored and ref() is not None]
+        assert not alive, f"host arrays of {alive} outlive their placement"
+        hosts.append((plan.stored, weakref.ref(host)))
+        return jax.numpy.zeros(())
+
+    monkeypatch.setattr(lcj, "_place", place)
+    lcj.load(saved, CASES["replicated"][1], mesh=grid(cpus), io=lc.IOConfig(budget_bytes=2048))
+    assert len({stored for stored, _ in hosts}) == len(lc.open(saved).keys())
+
+
 def test_checkpoints_on_object_stores_load_too(cpus):
     # jax.make_mesh gives a mesh of explicit axes; memory:// stands for s3:// and gs://.
     mesh = jax.make_mesh((4, 2), ("x", "y"), devices=cpus)
