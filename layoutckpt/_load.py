@@ -48,7 +48,9 @@ from .torch._torch import installed, is_tensor, torch
 Select = str | re.Pattern[str] | Iterable[str] | Callable[[str], bool] | None
 
 
-def _selector(select: Select, stored: list[str]) -> set[str] | None:
+def _selector(select: Select, stored: list[str], checkpoint: Iterable[str] = ()) -> set[str] | None:
+    """The names of ``stored`` (what this load gives) that ``select`` picks; ``checkpoint``: the
+    names the checkpoint holds, for the error on a name it holds that this load gives otherwise."""
     if select is None:
         return None
     if isinstance(select, str | re.Pattern):
@@ -65,6 +67,12 @@ def _selector(select: Select, stored: list[str]) -> set[str] | None:
         )
     wanted = set(select)
     unknown = sorted(wanted - set(stored))
+    held = [n for n in unknown if n in set(checkpoint)]
+    if held:
+        raise KeyError(
+            f"select= names {held[:5]}, which the checkpoint holds but this load does not give (it gives "
+            f"the names of like=, and a flat buffer under a Flat rule as one): select among {sorted(stored)[:8]}"
+        )
     if unknown:
         raise KeyError(f"select= names {unknown[:5]} that the checkpoint does not have")
     return wanted
@@ -311,7 +319,7 @@ def _plan_load(where: str, meta: CheckpointMeta, layout: Layout | None, options:
         target_layout = Layout.replicated(default_mesh(template, comm.world, comm.global_ranks))
     check_mesh(target_layout.mesh, comm)
     wanted = template if options.like is not None else dict(leaf_nodes(structure))
-    keep = _selector(options.select, list(wanted))
+    keep = _selector(options.select, list(wanted), [*meta.arrays, *(n for n, _ in leaf_nodes(meta.tree))])
     names = [n for n in wanted if keep is None or n in keep]
     if options.inplace:
         _check_fillable(template, names)

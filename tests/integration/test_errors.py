@@ -670,3 +670,15 @@ def test_bad_user_metadata_is_refused_before_writing(tmp_path: Path):
             lc.save(tmp_path / "ck", {"w": torch.zeros(2)}, lc.Layout.replicated(), metadata=bad)
         assert "JSON" in str(info.value) or "must be a str" in str(info.value)
         assert snapshot(tmp_path) == before
+
+
+def test_select_of_a_stored_name_this_load_gives_otherwise_says_so(tmp_path):
+    """Under a Flat rule the buffer 'm' is one name of the load; its parameters are stored
+    under theirs. select= of a stored parameter name says which names the load gives."""
+    flat = lc.Layout(lc.Mesh({"dp": 1}), [(r"^m$", lc.Flat([("a", (4, 3)), ("b", (3,))], "dp")), (r".*", lc.P())])
+    lc.save(tmp_path / "ck", {"m": torch.randn(15)}, flat)
+    assert lc.open(tmp_path / "ck").keys() == ["m.a", "m.b"]
+    with pytest.raises(KeyError, match=r"\['m\.a'\], which the checkpoint holds but this load does not give.*\['m'\]"):
+        lc.load(tmp_path / "ck", flat, select=["m.a"])
+    with pytest.raises(KeyError, match=r"\['x'\] that the checkpoint does not have"):
+        lc.load(tmp_path / "ck", flat, select=["x"])
