@@ -32,10 +32,15 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MiB or 1000000")
-    return int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "").lower()])
+    size = int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "").lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is under one byte; a file must hold at least one")
+    return size
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.prefix is not None and (not args.prefix or "/" in args.prefix or os.sep in args.prefix):
+        raise UsageError(f"--prefix {args.prefix!r} must be a plain file name stem such as 'model'")
     if args.to == "zarr":
         return to_zarr(args)
     if args.overwrite:

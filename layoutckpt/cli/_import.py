@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._common import UsageError
+from ._common import NotFound, UsageError
 from ._plan import target_layout
 from ._text import human, plural
 
@@ -54,14 +54,22 @@ def cmd_import(args: argparse.Namespace) -> int:
         import_safetensors(args.src, args.dst, layout, step=args.step, overwrite=args.overwrite)
         skipped: tuple[str, ...] = ()
     else:
-        from .._dcp import TrustRequiredError, import_dcp
+        from .._dcp import METADATA_FILE, TrustRequiredError, import_dcp
 
+        if not os.path.isfile(os.path.join(args.src, METADATA_FILE)):
+            raise NotFound(
+                f"no DCP checkpoint at {args.src!r}: it has no {METADATA_FILE} file (dcp.save writes one, last)"
+            )
         try:
             done = import_dcp(
                 args.src, args.dst, layout, trust_pickle=args.trust, step=args.step, overwrite=args.overwrite
             )
-        except TrustRequiredError as err:
-            raise UsageError(f"{err}; add --trust") from None
+        except TrustRequiredError:
+            raise UsageError(
+                f"{os.path.join(args.src, METADATA_FILE)} is a Python pickle, and unpickling a file runs what it "
+                "says; add --trust if you trust where this checkpoint came from (even then only DCP's own "
+                "metadata classes are admitted, and any other class is refused unrun)"
+            ) from None
         skipped = done.skipped
     from .._reader import Reader
 

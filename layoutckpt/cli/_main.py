@@ -126,11 +126,26 @@ USAGE_ERRORS = (UsageError, LayoutError, argparse.ArgumentTypeError)
 NOT_FOUND_OR_DAMAGED = (NotFound, CheckpointNotFoundError, FormatError, IntegrityError, ManagerLockedError, OSError)
 
 
+AS_FLAGS = {"pass overwrite=True": "pass --overwrite", "trust_pickle=True": "--trust"}
+
+
+def _glued(argv: list[str]) -> list[str]:
+    """``--slice X`` as ``--slice=X``: argparse takes a value starting with ``-`` (``-2:``,
+    ``-1,::-1``) for an option of its own."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--slice":
+            out[-1] = f"--slice={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; the exit status (0 ok, 1 missing or damaged, 2 bad usage)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_glued(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as exit_:  # --help, --version (0) or a usage error (2), already printed
         return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
     try:
@@ -150,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(err) if known else f"unexpected {type(err).__name__}: {err}"
         if isinstance(err, OSError) and err.strerror and not isinstance(err, CheckpointNotFoundError):
             message = f"{err.strerror}: {err.filename!r}" if err.filename else err.strerror
+        for keyword, flag in AS_FLAGS.items():  # the library's fixes, as this command's options
+            message = message.replace(keyword, flag)
         hint = "" if known else " (LAYOUTCKPT_DEBUG=1 shows the traceback)"
         print(f"{PROG} {args.command}: error: {' '.join(message.split())}{hint}", file=sys.stderr)
         return code

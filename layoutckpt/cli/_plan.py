@@ -56,8 +56,11 @@ def target_layout(args: argparse.Namespace) -> tuple[Layout, str]:
     try:
         layout = Layout.from_file(args.spec, mesh)
     except LayoutError as err:
+        # The fix names the command's option, and only where the mesh is what is wrong.
+        text = str(err).replace("pass mesh= to Layout.from_file", "pass --mesh axis=size,...")
         fix = "pass a --mesh with the axes its rules name" if mesh else "pass the mesh as --mesh axis=size,..."
-        raise UsageError(f"{err}; {fix}") from None
+        about_mesh = "mesh" in text.lower() and "--mesh" not in text
+        raise UsageError(f"{text}; {fix}" if about_mesh else text) from None
     return layout, f"{args.spec} on {layout.mesh!r}"
 
 

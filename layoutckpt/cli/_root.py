@@ -10,7 +10,7 @@ from typing import Any
 
 from ..storage._store import is_committed
 from ._common import NotFound, UsageError
-from ._text import human, print_json, table
+from ._text import human, plural, print_json, table
 
 
 def disk_bytes(path: str) -> int:
@@ -61,7 +61,7 @@ def ls_root(doc: dict[str, Any], args: argparse.Namespace) -> int:
         return 0
     committed = sum(s["committed"] for s in doc["steps"])
     latest = "" if doc["latest"] is None else f", latest {doc['latest']}"
-    print(f"{doc['root']}: CheckpointManager root, {committed} committed steps{latest}")
+    print(f"{doc['root']}: CheckpointManager root, {plural(committed, 'committed step')}{latest}")
     rows = [["step", "state", "size", "folder"]]
     for s in doc["steps"]:
         state = "committed" if s["committed"] else "uncommitted (unfinished or crashed save)"

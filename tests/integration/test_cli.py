@@ -804,3 +804,21 @@ def test_plan_of_fused_and_padded_parts_equals_the_bytes_a_load_with_like_fetche
     assert bytes_read() - before == plan["bytes_read"] + plan["overhead_bytes"]
     assert torch.equal(out["layers"]["2"]["qkv"]["weight"], state["layers"]["2"]["qkv"]["weight"])
     assert torch.equal(out["embedding"]["weight"][:13], state["embedding"]["weight"][:13])
+
+
+def test_options_that_cannot_work_are_usage_errors_in_the_commands_terms(capsys, tmp_path):
+    ck = tmp_path / "ck"
+    lc.save(ck, {"w": np.arange(6, dtype=np.float32)})
+    for args in (("--max-shard-bytes", "0"), ("--max-shard-bytes", "0.5"), ("--prefix", "a/b"), ("--prefix", "")):
+        code, _, err = run(capsys, "export", ck, tmp_path / "hf", *args)
+        assert code == 2 and args[0] in err, (args, err)
+    assert not (tmp_path / "hf").exists()
+    # A value starting with '-' is the slice's, not an option.
+    code, out, _ = run(capsys, "read", ck, "w", "--slice", "-2:")
+    assert code == 0 and out.endswith(repr(np.arange(4, 6, dtype=np.float32)) + "\n")
+    # A missing DCP folder is missing, whatever --trust says; a fix names the command's option.
+    code, _, err = run(capsys, "import", tmp_path / "nowhere", tmp_path / "out", "--from", "dcp")
+    assert code == 1 and "no DCP checkpoint" in err and "--trust" not in err, err
+    save_file({"w": np.ones(3, np.float32)}, tmp_path / "w.safetensors")
+    code, _, err = run(capsys, "import", tmp_path / "w.safetensors", ck)
+    assert code == 1 and "pass --overwrite to replace it" in err and "overwrite=True" not in err, err
