@@ -67,7 +67,7 @@ def _selector(select: Select, stored: list[str], checkpoint: Iterable[str] = ())
         )
     wanted = set(select)
     unknown = sorted(wanted - set(stored))
-    held = [n for n in unknown if n in set(checkpoint)]
+    held = sorted(set(unknown) & set(checkpoint))
     if held:
         raise KeyError(
             f"select= names {held[:5]}, which the checkpoint holds but this load does not give (it gives "
