@@ -121,7 +121,7 @@ def load(path: str | os.PathLike[str], layout: Layout | None = None, **options: 
     """
     check_load_arguments("load", path, layout, Layout)
     with collector_paused():
-        return _start(path, layout, options_of(LoadOptions, options, "load", LoadKeywords)).result()
+        return _start(path, layout, options_of(LoadOptions, options, "load", LoadKeywords), reads_agreed=True).result()
 
 
 def load_async(
@@ -132,16 +132,23 @@ def load_async(
     Takes the keywords of ``load`` and returns a ``LoadFuture``; ``fut.result()`` returns what
     ``load`` would, after which ``fut.metrics`` holds this rank's phases (plan, read, place),
     bytes and requests. Bad input (a template or layout that does not fit) raises here, before
-    any byte is read.
+    any byte is read; where the ranks load different parts, on every rank, as in ``load``.
+
+    ``fut.result()`` takes part in no collective (ranks may call it at different points of
+    their loop), except with ``share_reads``, where the ranks exchange what they read there: so
+    a damaged chunk read by one rank raises there only, where ``load`` would fail every rank.
     """
     check_load_arguments("load_async", path, layout, Layout)
-    return _start(path, layout, options_of(LoadOptions, options, "load_async", LoadKeywords))
+    return _start(path, layout, options_of(LoadOptions, options, "load_async", LoadKeywords), reads_agreed=False)
 
 
 @collector_paused()
-def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOptions) -> LoadFuture[Any]:
+def _start(
+    path: str | os.PathLike[str], layout: Layout | None, options: LoadOptions, *, reads_agreed: bool
+) -> LoadFuture[Any]:
     """Plan every read first (pure), so bad input raises before any byte is read; then put the
-    reads in flight on the read engine's thread."""
+    reads in flight on the read engine's thread. ``reads_agreed``: the ranks that plan together
+    also agree on their reads' outcome (``load``, whose caller waits at the call anyway)."""
     t0 = time.perf_counter()
     phases = Phases()
     comm = comm_for(options.group)
@@ -153,8 +160,9 @@ def _start(path: str | os.PathLike[str], layout: Layout | None, options: LoadOpt
     wanted = plan.requests(meta, lent, _sharing(plan, meta, layout, comm, lent), plan.arena(meta, bound, lent))
     reads = BackgroundReads(reader, wanted.reads, options.io)
     phases.since("plan", t0)
+    agree = together and (reads_agreed or wanted.shared is not None)
     fut: LoadFuture[Any] = LoadFuture(
-        lambda: _finish(plan, meta, reads, wanted, root.url, comm, together, phases, t0, fut), reads
+        lambda: _finish(plan, meta, reads, wanted, root.url, comm, agree, phases, t0, fut), reads
     )
     return fut
 

@@ -91,3 +91,25 @@ def test_damage_that_one_rank_reads_fails_the_load_on_every_rank(ranks: RankPool
     mine, theirs = ranks.run(_damaged_on_rank_1, 2, str(tmp_path / "ck"), timeout=60)
     assert theirs.startswith("IntegrityError") and "'w'" in theirs, theirs
     assert mine.startswith("IntegrityError") and "rank 1: IntegrityError" in mine, mine
+
+
+def _result_at_different_points(rank: int, group, path: str) -> list[float]:
+    import torch.distributed as dist
+
+    lc.save(path, {"w": torch.arange(4.0)[:2] + 2 * rank}, LAYOUT, group=group)
+    fut = lc.load_async(path, LAYOUT, group=group)  # prefetched during the step
+    grad = torch.full((2,), float(rank + 1))
+    if rank == 0:
+        state = fut.result()
+        dist.all_reduce(grad, group=group)
+    else:
+        dist.all_reduce(grad, group=group)
+        state = fut.result()
+    return [*state["w"].tolist(), *grad.tolist()]
+
+
+def test_load_async_result_is_no_collective(ranks: RankPool, tmp_path: Path) -> None:
+    """Rank 0 takes its prefetched state before the step's all-reduce, rank 1 after: result()
+    must not meet the all-reduce in a collective of its own."""
+    got = ranks.run(_result_at_different_points, 2, str(tmp_path / "ck"), timeout=60)
+    assert got == [[0.0, 1.0, 3.0, 3.0], [2.0, 3.0, 3.0, 3.0]]
