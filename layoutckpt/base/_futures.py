@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook, before ours below
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -175,3 +176,6 @@ def _finish_at_exit() -> None:
 
 
 threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]  # what concurrent.futures uses
+# A forked child (a DataLoader worker) inherits the parent's save in flight without the threads
+# that finish it: it must not wait for it at its own exit.
+os.register_at_fork(after_in_child=lambda: swap_in_flight(None))

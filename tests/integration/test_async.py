@@ -570,3 +570,19 @@ def test_ctrl_c_in_a_synchronous_save_leaves_the_last_checkpoint_and_no_staging(
         lc.save(path, {"w": torch.ones(4)}, lc.Layout.replicated(), step=2, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     assert lc.open(path).step == 1
+
+
+def test_a_forked_child_exits_while_its_parent_saves(tmp_path: Path) -> None:
+    """A DataLoader worker forked during a save inherits the save in flight but not the threads
+    that finish it: it must exit at once rather than wait for it at exit."""
+    import multiprocessing
+
+    fut = lc.save_async(tmp_path / "ck", {"w": torch.ones(16 << 20)}, lc.Layout.replicated(), lazy=True)  # 64 MiB
+    child = multiprocessing.get_context("fork").Process(target=int)
+    child.start()
+    child.join(30)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    fut.result()
+    assert not alive and child.exitcode == 0
