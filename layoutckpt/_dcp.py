@@ -710,10 +710,10 @@ def _values(src: Path, meta: Any, names: list[str]) -> tuple[dict[str, Any], lis
         except (RefusedPickleError, _NotArchive):  # objects of other classes, or raw bytes
             skipped.append(name)
             continue
-        _check_size(value, where)
         try:
+            _check_size(value, where)
             flatten({"v": value})  # a value the tree can hold: plain, JSON-like
-        except (TypeError, InvalidNameError):
+        except (_TooLarge, TypeError, InvalidNameError):
             skipped.append(name)
             continue
         values[name] = value
@@ -721,6 +721,11 @@ def _values(src: Path, meta: Any, names: list[str]) -> tuple[dict[str, Any], lis
 
 
 MAX_VALUE_NODES = 1 << 20
+
+
+class _TooLarge(FormatError):
+    """A value of more than ``MAX_VALUE_NODES`` items: left out, as a tree value would be
+    walked item by item (a sampler's million indices belong in per-rank state)."""
 
 
 def _check_size(value: Any, where: str) -> None:
@@ -732,7 +737,7 @@ def _check_size(value: Any, where: str) -> None:
         x = todo.pop()
         seen += 1
         if seen > MAX_VALUE_NODES:
-            raise FormatError(f"{where}: holds more than {MAX_VALUE_NODES} items, counting each repeat")
+            raise _TooLarge(f"{where}: holds more than {MAX_VALUE_NODES} items, counting each repeat")
         if isinstance(x, dict):
             todo.extend(x.values())
         elif isinstance(x, list | tuple):
