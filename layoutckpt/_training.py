@@ -43,7 +43,9 @@ def get_state(model: Any, optimizer: Any = None, *, options: Any = None) -> dict
 
     An optimizer that has not stepped yet gets a state made for the tree (its moments' shapes
     and shardings, a template to load into), but keeps none itself: ``get_state_dict`` makes it
-    with a step at learning rate 0, which AdamW would count as a step of the run.
+    with a step at learning rate 0, which AdamW would count as a step of the run. Its
+    parameters' gradients (a backward before restoring) are set aside meanwhile: torch makes
+    no state for an optimizer whose parameters hold one, and the template would lack it.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -52,9 +54,16 @@ def get_state(model: Any, optimizer: Any = None, *, options: Any = None) -> dict
     if not optims:
         return {"model": get_model_state_dict(model, options=options)}
     fresh = [o for o in optims if not o.state]
-    model_state, optim_state = get_state_dict(model, optims, options=options)
-    for o in fresh:
-        o.state.clear()
+    grads = {id(p): (p, p.grad) for o in fresh for g in o.param_groups for p in g["params"] if p.grad is not None}
+    for p, _ in grads.values():
+        p.grad = None
+    try:
+        model_state, optim_state = get_state_dict(model, optims, options=options)
+    finally:
+        for p, grad in grads.values():
+            p.grad = grad
+        for o in fresh:
+            o.state.clear()
     return {"model": model_state, "optim": optim_state}
 
 

@@ -218,3 +218,25 @@ def test_param_groups_listed_in_another_order_restore_by_parameter(tmp_path):
     target_opt = _grouped(target, reverse=True)
     assert lc.load_state(tmp_path / "ck", target, target_opt).restored == ("model", "optimizer")
     assert [_step(target, target_opt, seed) for seed in (2, 3)] == went_on
+
+
+def test_an_optimizer_whose_parameters_hold_gradients_is_restored(tmp_path):
+    """A backward before restoring (a warm-up, a compile step): torch makes no template state
+    for an optimizer whose parameters hold gradients; the moments must still be restored, and
+    the gradients left as they were."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    lc.save(tmp_path / "ck", lc.get_state(model, opt))
+    fresh = nn.Linear(4, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh(torch.randn(8, 4)).pow(2).mean().backward()
+    grad = fresh.weight.grad
+    lc.load_state(tmp_path / "ck", fresh, fresh_opt)
+    assert fresh.weight.grad is grad
+    want, got = opt.state[model.weight], fresh_opt.state[fresh.weight]
+    assert all(torch.equal(want[k], got[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
