@@ -489,8 +489,11 @@ class CheckpointManager:
         the world size changed. Raises ``CheckpointNotFoundError`` if there is no such step.
         """
         path, piece = self._restorable(step)
-        if piece:
-            return _rankstate.read_one(locate(path), 0)
+        if piece:  # this rank's own piece of a fast tier, its one document as rank 0's
+            root = locate(path)
+            if _store.read_meta(root).rank_state_world is None:
+                raise KeyError(f"checkpoint {root.url!r} holds no per-rank state; it was saved without rank_state=")
+            return _rankstate.read_one(root, 0)
         return load_rank_state(path, group=self._group, redistribute=redistribute)
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:

@@ -60,6 +60,19 @@ def assert_local(out: dict, step: int, rank: int, world: int) -> None:
 # --- one process -----------------------------------------------------------------------------------
 
 
+def test_a_step_without_rank_state_says_so_from_either_tier(tmp_path):
+    """The same KeyError whether the step is read from the fast tier or the durable one:
+    code that treats per-rank state as optional must not see a 'damaged' FormatError."""
+    durable, local = tmp_path / "durable", tmp_path / "local" / "{rank}"
+    with lc.CheckpointManager(durable, local=local, persist_every=1) as mgr:
+        mgr.save(1, local_state(1, 0, 1), lc.Layout.replicated())
+        mgr.wait()
+        with pytest.raises(KeyError, match="saved without rank_state="):
+            mgr.load_rank_state(1)  # the fast tier's piece
+    with lc.CheckpointManager(durable) as mgr, pytest.raises(KeyError, match="saved without rank_state="):
+        mgr.load_rank_state(1)
+
+
 def test_every_step_local_some_persisted_and_restored_bit_exact(tmp_path):
     layout = lc.Layout.replicated()
     durable, local = tmp_path / "durable", tmp_path / "local" / "{rank}"
