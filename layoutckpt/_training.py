@@ -80,6 +80,21 @@ def set_state(model: Any, optimizer: Any, state: dict[str, Any], *, options: Any
     set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
+def _unexpected_text(path: str, unexpected: list[str]) -> str:
+    """What a checkpoint holds that this model (or its optimizer) lacks, and what to do."""
+    optim = [n for n in unexpected if n.startswith("optim.")]
+    model = [n for n in unexpected if not n.startswith("optim.")]
+    parts = []
+    if model:
+        parts.append(f"arrays the model lacks, e.g. {model[:5]}")
+    if optim:
+        parts.append(
+            f"optimizer state of parameters or param groups the optimizer lacks, e.g. {optim[:5]} (build the "
+            "optimizer with the param groups it was saved with, add_param_group included, before loading)"
+        )
+    return f"checkpoint {path!r} holds {'; and '.join(parts)}; pass strict=False to ignore them (their state is then dropped)"
+
+
 def _names(names: tuple[str, ...]) -> str:
     """A tuple of names for a repr: the first few, and how many more."""
     if len(names) <= 3:
@@ -242,10 +257,7 @@ def _plan(template: dict[str, Any], rd: Reader, strict: bool, with_optimizer: bo
         like = {"model": kept, "optim": optim} if optimizer else {"model": kept}
     unexpected = _unexpected(rd, like, name, nested, optimizer) if names.whole else []
     if unexpected and strict:
-        raise TemplateMismatchError(
-            f"checkpoint {rd.path!r} holds arrays the model lacks, e.g. {unexpected[:5]}; "
-            "pass strict=False to ignore them"
-        )
+        raise TemplateMismatchError(_unexpected_text(rd.path, unexpected))
     missing = tuple(f"model.{k}" for k in absent) + tuple(lacking)
     unstepped = optimizer and _state_leaves(optim) < _state_leaves(template["optim"])
     return _Plan(like, nested, optimizer, missing, tuple(unexpected), warning, unstepped)

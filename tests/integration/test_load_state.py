@@ -240,3 +240,17 @@ def test_an_optimizer_whose_parameters_hold_gradients_is_restored(tmp_path):
     assert fresh.weight.grad is grad
     want, got = opt.state[model.weight], fresh_opt.state[fresh.weight]
     assert all(torch.equal(want[k], got[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_state_of_a_param_group_the_optimizer_lacks_is_named_as_the_optimizers(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model[0].parameters())
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 1e-3})
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    lc.save(tmp_path / "ck", lc.get_state(model, opt))
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(lc.TemplateMismatchError, match=r"param groups the optimizer lacks.*add_param_group") as err:
+        lc.load_state(tmp_path / "ck", fresh, torch.optim.AdamW(fresh[0].parameters()))
+    assert "the model lacks" not in str(err.value)
