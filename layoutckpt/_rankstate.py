@@ -12,13 +12,15 @@ lists, tuples, None/bool/int/float/str, bytes, and small tensors or arrays (an R
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .base._errors import FormatError, WorldSizeError
+from .base._errors import FormatError, IntegrityError, WorldSizeError
 from .format._dtypes import numpy_dtype, zarr_name
 from .format._hierarchy import RANK_STATE_DIR
 from .layout._tree import _encode_value, decode_value
@@ -72,7 +74,9 @@ def encode(x: Any, where: str = "rank_state") -> Any:
 
 
 def _as_array(x: Any) -> tuple[np.ndarray, str] | None:
-    if isinstance(x, np.ndarray | np.generic):
+    if isinstance(x, np.generic):
+        return np.asarray(x), "numpy-scalar"
+    if isinstance(x, np.ndarray):
         return np.asarray(x), "numpy"
     import sys
 
@@ -94,21 +98,32 @@ def decode(node: Any) -> Any:
     if "bytes" in node:
         return base64.b64decode(node["bytes"])
     if "ndarray" in node:
-        a = node["ndarray"]
-        data = np.frombuffer(base64.b64decode(a["base64"]), dtype=numpy_dtype(a["dtype"])).reshape(a["shape"]).copy()
-        from .torch._torch import installed
-
-        if a["kind"] == "torch" and installed():  # without torch, NumPy as lc.load gives
-            from .torch._tensors import from_numpy
-
-            return from_numpy(data, a["dtype"])
-        return data
+        return _decode_array(node["ndarray"])
     return decode_value(node)
+
+
+def _decode_array(a: Any) -> Any:
+    shape, raw, dtype = a["shape"], base64.b64decode(a["base64"]), numpy_dtype(a["dtype"])
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"an array's shape is {shape!r}, not a list of sizes")
+    if len(raw) != dtype.itemsize * math.prod(shape):
+        raise ValueError(f"an array of shape {shape} holds {len(raw)} bytes of {a['dtype']}")
+    data = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+    if a["kind"] == "numpy-scalar":
+        return data[()]
+    from .torch._torch import installed
+
+    if a["kind"] == "torch" and installed():  # without torch, NumPy as lc.load gives
+        from .torch._tensors import from_numpy
+
+        return from_numpy(data, a["dtype"])
+    return data
 
 
 def document(value: Any, rank: int, world: int) -> bytes:
     """The file one rank writes; raises (naming the bad leaf) before anything is written."""
-    body = {"rank": rank, "world": world, "state": encode(value)}
+    state = encode(value)
+    body = {"rank": rank, "world": world, "state": state, "sha256": _digest(state)}
     doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: body}}
     raw = json.dumps(doc, allow_nan=False).encode()
     if len(raw) > MAX_DOCUMENT_BYTES:
@@ -123,9 +138,21 @@ def parse(raw: bytes, where: str, rank: int | None = None) -> Any:
         body = json.loads(raw)["attributes"][ATTRS_KEY]
         if rank is not None and body["rank"] != rank:
             raise ValueError(f"it holds the state of rank {body['rank']!r}, not of rank {rank}")
+        digest = body.get("sha256")  # absent from documents written before it was added
+        if digest is not None and digest != _digest(body["state"]):
+            raise IntegrityError(f"{where}: the per-rank state fails its sha256: the document is damaged")
         return decode(body["state"])
+    except IntegrityError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise FormatError(f"{where}: the per-rank document is malformed ({err!r}); the checkpoint is corrupt") from None
+
+
+def _digest(state: Any) -> str:
+    """The sha256 of a document's encoded state, over its canonical JSON (keys sorted, no
+    spaces): the same whichever JSON writer stored it."""
+    canonical = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def choose(states: Sequence[Any], rank: int, world: int, redistribute: Redistribute | None, where: str) -> Any:

@@ -220,3 +220,42 @@ def test_ranks_disagreeing_about_rank_state_all_raise(ranks, tmp_path):
     for tb in ranks.run_expecting_errors(_save_only_some, 4, str(tmp_path / "ck")):
         assert "InconsistentShardsError" in tb and "rank_state" in tb
     assert os.listdir(tmp_path) == []
+
+
+def test_numpy_scalars_come_back_as_scalars(tmp_path):
+    state = {"i": np.int64(5), "f": np.float32(0.5), "b": np.bool_(True), "a": np.arange(3)}
+    lc.save(tmp_path / "ck", {"w": np.ones(2)}, rank_state=state)
+    got = lc.load_rank_state(tmp_path / "ck")
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in state.items()}
+    assert got["i"] == 5 and hash(got["i"]) == hash(5) and np.array_equal(got["a"], np.arange(3))
+
+
+def _edit_document(path, old: str, new: str) -> None:
+    doc = os.path.join(path, ".rank_state", "00000", "zarr.json")
+    with open(doc) as f:
+        text = f.read()
+    assert old in text
+    with open(doc, "w") as f:
+        f.write(text.replace(old, new, 1))
+
+
+def test_an_edited_per_rank_document_fails_its_checksum(tmp_path):
+    """A data position changed from 4096 to 4098 would resume the loader elsewhere, silently."""
+    path = str(tmp_path / "ck")
+    lc.save(path, {"w": np.ones(2)}, rank_state={"pos": 4096})
+    _edit_document(path, "4096", "4098")
+    with pytest.raises(lc.IntegrityError, match="per-rank state fails its sha256"):
+        lc.load_rank_state(path)
+    from layoutckpt._verify import verify
+
+    with lc.open(path) as rd:
+        assert not verify(rd).ok
+
+
+def test_an_array_whose_shape_disagrees_with_its_bytes_is_refused(tmp_path):
+    path = str(tmp_path / "ck")
+    lc.save(path, {"w": np.ones(2)}, rank_state={"rng": np.arange(4, dtype=np.uint8)})
+    _edit_document(path, '"sha256"', '"unchecked"')  # as a document written before the checksum
+    _edit_document(path, '"shape": [4]', '"shape": [2, -1]')
+    with pytest.raises(lc.FormatError, match="not a list of sizes"):
+        lc.load_rank_state(path)
