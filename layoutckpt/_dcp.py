@@ -389,11 +389,11 @@ def _archive(f: Any, where: str) -> tuple[zipfile.ZipFile, str]:
 
 
 @contextlib.contextmanager
-def _item(folder: Path, info: Any, where: str, tensors: bool) -> Iterator[tuple[Any, zipfile.ZipFile, str, int]]:
+def _item(folder: Path, info: Any, where: str, tensors: bool) -> Iterator[tuple[Any, zipfile.ZipFile, str, Path, int]]:
     """An item's unpickled ``data.pkl`` (plain values, ``_TensorRef`` where ``tensors``), its
-    archive, the archive's record prefix and where the archive starts in its file."""
-    path = _data_file(folder, info, where)
-    offset, length = _storage_info(info, where)[1:]
+    archive, the archive's record prefix, its data file and where the archive starts there."""
+    name, offset, length = _storage_info(info, where)
+    path = _data_file(folder, name, where)
     with _open_data(path, offset + length, where) as f:
         window = _Window(f, offset, length)
         at = f"{where} ({path}, bytes {offset}..{offset + length})"
@@ -411,7 +411,7 @@ def _item(folder: Path, info: Any, where: str, tensors: bool) -> Iterator[tuple[
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of a damaged pickle, named
                 raise FormatError(f"{where}: a damaged item pickle ({type(err).__name__}: {err})") from None
-            yield value, zf, prefix, offset
+            yield value, zf, prefix, path, offset
 
 
 @contextlib.contextmanager
@@ -427,9 +427,10 @@ def _open_data(path: Path, end: int, where: str) -> Iterator[Any]:
         yield f
 
 
-def _data_file(folder: Path, info: Any, where: str) -> Path:
-    """The data file an item lies in: a file of the checkpoint's folder, not a link out of it."""
-    path = folder / _storage_info(info, where)[0]
+def _data_file(folder: Path, name: str, where: str) -> Path:
+    """The data file ``name`` an item lies in: a file of the checkpoint's folder, not a link
+    out of it."""
+    path = folder / name
     if os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder):
         raise FormatError(f"{where}: its data file {path} links out of the checkpoint's folder")
     return path
@@ -453,7 +454,7 @@ def _storage_info(info: Any, where: str) -> tuple[str, int, int]:
 def _place_chunk(folder: Path, info: Any, where: str, dtype: str, sizes: tuple[int, ...]) -> _Placed:
     """Where the elements of one DCP chunk lie in its data file, checked against the metadata,
     and its record's bytes checked against the archive's CRC-32."""
-    with _item(folder, info, where, tensors=True) as (ref, zf, prefix, start):
+    with _item(folder, info, where, tensors=True) as (ref, zf, prefix, path, start):
         if not isinstance(ref, _TensorRef):
             raise FormatError(f"{where}: the item holds a {type(ref).__name__}, not a tensor")
         if ref.dtype != dtype or ref.shape != sizes:
@@ -468,7 +469,7 @@ def _place_chunk(folder: Path, info: Any, where: str, dtype: str, sizes: tuple[i
             raise FormatError(f"{where}: record data/{ref.key} reaches past its item")
         _check_crc(zf.fp, data, record, where)
     itemsize = numpy_dtype(dtype).itemsize
-    return _Placed(os.fspath(_data_file(folder, info, where)), start + data + ref.offset * itemsize, sizes, ref.stride)
+    return _Placed(os.fspath(path), start + data + ref.offset * itemsize, sizes, ref.stride)
 
 
 def _check_extent(ref: _TensorRef, record: zipfile.ZipInfo, where: str) -> None:

@@ -858,9 +858,7 @@ def load_rank_state(
     root = locate(path)
     meta = _store.read_meta(root)
     comm = comm_for(group)
-    if meta.rank_state_world is None:
-        raise KeyError(f"checkpoint {root.url!r} holds no per-rank state; it was saved without rank_state=")
-    saved = meta.rank_state_world
+    saved = _rankstate.saved_world(meta, root.url)
     if saved == comm.world and redistribute is None:
         return _rankstate.read_one(root, comm.rank)
     states = _rankstate.read_all(root, saved)

@@ -491,8 +491,7 @@ class CheckpointManager:
         path, piece = self._restorable(step)
         if piece:  # this rank's own piece of a fast tier, its one document as rank 0's
             root = locate(path)
-            if _store.read_meta(root).rank_state_world is None:
-                raise KeyError(f"checkpoint {root.url!r} holds no per-rank state; it was saved without rank_state=")
+            _rankstate.saved_world(_store.read_meta(root), root.url)
             return _rankstate.read_one(root, 0)
         return load_rank_state(path, group=self._group, redistribute=redistribute)
 

@@ -169,6 +169,14 @@ def choose(states: Sequence[Any], rank: int, world: int, redistribute: Redistrib
     return states[rank]
 
 
+def saved_world(meta: Any, where: str) -> int:
+    """How many ranks saved per-rank documents into the checkpoint ``meta`` describes; a
+    ``KeyError`` (the state is optional, not damaged) where it was saved without any."""
+    if meta.rank_state_world is None:
+        raise KeyError(f"checkpoint {where!r} holds no per-rank state; it was saved without rank_state=")
+    return meta.rank_state_world
+
+
 def read_one(root: Location, rank: int) -> Any:
     name = file_name(rank)
     raw = root.read(name)
