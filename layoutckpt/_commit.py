@@ -45,7 +45,7 @@ def commit_everywhere(
                 _packs.merge(tmp, comm.world)
                 tmp.make_durable()
             # Every rank made its part durable before it reported success (in ``_write``).
-            final.commit(tmp, root_document(meta), overwrite=overwrite)
+            final.commit(tmp, root_document(meta), overwrite=overwrite, save_id=meta.save_id)
         except Exception as err:  # noqa: BLE001 - broadcast to every rank below
             _discard_quietly(tmp)  # even where this fails too, the others must hear the outcome
             status = f"{type(err).__name__}: {err}".encode()

@@ -844,6 +844,8 @@ def _convert(
     staging = final.staging(int(token))
     failure = b""
     try:
+        if comm.rank == 0:
+            final.claim(staging, save_id)
         _write_share(src, staging, meta, share(tensors, comm.rank, comm.world), io)
         staging.write_many(hierarchy.documents(meta, comm.rank, comm.world))
         staging.make_durable()

@@ -20,7 +20,7 @@ import numpy as np
 from . import _rankstate, _shared_reads
 from ._pieces import padded_shard_shape, uses_views
 from .base._arguments import check_load_arguments
-from .base._errors import TemplateMismatchError
+from .base._errors import IntegrityError, TemplateMismatchError
 from .base._futures import LoadFuture
 from .base._gc import collector_paused
 from .base._metrics import LOAD_PHASES, Metrics, Phases, report
@@ -162,7 +162,7 @@ def _start(
     phases.since("plan", t0)
     agree = together and (reads_agreed or wanted.shared is not None)
     fut: LoadFuture[Any] = LoadFuture(
-        lambda: _finish(plan, meta, reads, wanted, root.url, comm, agree, phases, t0, fut), reads
+        lambda: _finish(plan, meta, reads, wanted, root, comm, agree, phases, t0, fut), reads
     )
     return fut
 
@@ -541,7 +541,7 @@ def _finish(
     meta: CheckpointMeta,
     reads: BackgroundReads,
     wanted: _Requests,
-    where: str,
+    root: Location,
     comm: Any,
     together: bool,
     phases: Phases,
@@ -550,7 +550,7 @@ def _finish(
 ) -> Any:
     """Wait for the reads, build the tree, and report the load's metrics on ``fut``."""
     try:
-        _join(reads, comm, together)
+        _join(reads, root, meta.save_id, comm, together)
         if wanted.shared is not None:
             _shared_reads.exchange(comm, wanted.shared)
         phases.add("read", reads.seconds)
@@ -570,7 +570,7 @@ def _finish(
     fut.metrics = report(
         Metrics(
             "load",
-            where,
+            root.url,
             comm.rank,
             comm.world,
             phases.items(LOAD_PHASES),
@@ -585,13 +585,19 @@ def _finish(
     return out
 
 
-def _join(reads: BackgroundReads, comm: Comm, together: bool) -> None:
+def _join(reads: BackgroundReads, root: Location, save_id: str, comm: Comm, together: bool) -> None:
     """Wait for this rank's reads and, ``together``, learn whether every rank's succeeded: a
     checksum that fails on one rank's chunks fails the load on every rank, which then stay in
     step (a rank that shares its boxes sends nothing when its reads failed)."""
     incomplete = told("the load's reads failed on other ranks, so this rank's result is incomplete")
     with failing_together(comm.during("while the ranks finished a load's reads"), incomplete, when=together):
-        reads.join()
+        try:
+            reads.join()
+        except IntegrityError as err:
+            explained = _store.explain_replaced(err, root, save_id)
+            if explained is err:
+                raise
+            raise explained from err
 
 
 class _Builder:

@@ -271,18 +271,10 @@ class Reader:
         try:
             return read_into(self._reader, requests, io=self._io, stream=stream)
         except IntegrityError as err:
-            if not self._replaced():
+            explained = _store.explain_replaced(err, self._root, self.meta.save_id)
+            if explained is err:
                 raise
-            raise IntegrityError(
-                f"checkpoint {self.path!r} was replaced or deleted since this reader opened it, so its "
-                f"files are no longer the ones it opened; open it again ({err})"
-            ) from err
-
-    def _replaced(self) -> bool:
-        try:
-            return _store.read_meta(self._root).save_id != self.meta.save_id
-        except (OSError, ValueError):  # deleted (CheckpointNotFoundError), or in the middle of a rename
-            return True
+            raise explained from err
 
     def read_boxes(
         self, requests: Iterable[BoxRead], *, on_damage: OnDamage | None = None

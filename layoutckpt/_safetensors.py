@@ -446,6 +446,7 @@ def _write_checkpoint(
     the root document (the commit marker) last, then one rename (``Location.commit``)."""
     staging = final.staging(new_token())
     try:
+        final.claim(staging, meta.save_id)
         with staging.box_writer(DEFAULT_IO) as writer:
             for name, a in meta.arrays.items():
                 source = _Mapped(*tensors[name])
@@ -455,7 +456,7 @@ def _write_checkpoint(
             writer.join()
         staging.write_many(hierarchy.documents(meta))
         staging.make_durable()
-        final.commit(staging, root_document(meta), overwrite=overwrite)
+        final.commit(staging, root_document(meta), overwrite=overwrite, save_id=meta.save_id)
     except BaseException:
         staging.discard()
         raise

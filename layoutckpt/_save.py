@@ -701,6 +701,8 @@ def _write_and_commit(
         if gate is not None:
             gate.wait()
         start = time.perf_counter()
+        if comm.rank == 0:
+            job.final.claim(job.tmp, job.meta.save_id)
         written = _write(job, items, comm.rank, comm.world)
         job.phases.since("write", start)
     except Exception as err:  # noqa: BLE001 - reported to every rank below

@@ -68,10 +68,16 @@ def export_zarr(src: Where, dst: Where, *, overwrite: bool = False, progress: Pr
     final.prepare()
     staging = final.staging(new_token())
     try:
+        final.claim(staging, meta.save_id)
         copied = _copy_database(source, staging, meta, progress)
         copied += _copy_plain(source, staging, meta)
         staging.make_durable()
-        final.commit(staging, root_document(attrs.evolve(meta, packing="files", writers={})), overwrite=overwrite)
+        final.commit(
+            staging,
+            root_document(attrs.evolve(meta, packing="files", writers={})),
+            overwrite=overwrite,
+            save_id=meta.save_id,
+        )
     except BaseException:
         staging.discard()
         raise

@@ -16,6 +16,7 @@ deleted).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..base import _faults
+from ..base._errors import CheckpointExistsError
 from . import _os
 
 TMP_MARK = ".tmp-"
@@ -49,16 +51,31 @@ def _beside(path: Path, kind: str) -> Path:
 def publish(tmp: Path, final: Path, *, overwrite: bool = False) -> None:
     """Rename the finished, durable ``tmp`` to ``final``, then make the rename durable.
 
-    A directory already at ``final`` is refused unless ``overwrite``; then it is first renamed
-    aside (``.old-``), so ``final`` is always absent or whole, and deleted only once the new one
-    is in place. A file at ``final`` is replaced in one rename.
+    A directory already at ``final`` is refused (``CheckpointExistsError``) unless
+    ``overwrite``; then the two are swapped in one step, so ``final`` always names a whole
+    checkpoint, and the old one is deleted after. Where the file system cannot swap, the old one
+    is first renamed aside (``.old-``), so ``final`` is absent for an instant. A file at
+    ``final`` is replaced in one rename.
     """
     _faults.point("commit.publish", staging=os.fspath(tmp), final=os.fspath(final))
     aside = None
     if overwrite and final.is_dir():
+        if _os.exchange(tmp, final):
+            _os.fsync_dir(final.parent)
+            _faults.point("commit.published", final=os.fspath(final))
+            remove_tree(tmp)  # the old checkpoint, under the temporary name
+            return
         aside = _beside(final, "old")
         os.rename(final, aside)
-    rename(tmp, final)
+    try:
+        rename(tmp, final)
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or overwrite:
+            raise
+        raise CheckpointExistsError(
+            f"{os.fspath(final)!r} appeared while this was written there (another save committed first); "
+            "this one committed nothing: save to another path, or pass overwrite=True"
+        ) from err
     _faults.point("commit.published", final=os.fspath(final))
     if aside is not None:
         remove_tree(aside)

@@ -36,7 +36,7 @@ import attrs
 import tensorstore as ts
 
 from ..base import _faults
-from ..base._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError
+from ..base._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, SaveError
 from ..base._metrics import InFlight, logger
 from ..base._options import IOConfig
 from ..base._workers import Workers
@@ -207,12 +207,19 @@ class Location(abc.ABC):
         """Where the save with ``token`` writes before its commit."""
 
     @abc.abstractmethod
+    def claim(self, staging: Location, save_id: str) -> None:
+        """Mark ``staging`` as the save ``save_id``'s (one process, before its commit)."""
+
+    @abc.abstractmethod
     def make_durable(self) -> None:
         """Make everything this process wrote here durable."""
 
     @abc.abstractmethod
-    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
-        """Write the commit marker and make ``staging`` the checkpoint here, atomically."""
+    def commit(self, staging: Location, marker: bytes, *, overwrite: bool, save_id: str) -> None:
+        """Write the commit marker and make ``staging`` the checkpoint here, atomically; a
+        ``SaveError`` where ``staging`` no longer holds the claim of ``save_id``: another
+        process removed it (``layoutckpt gc``, a deleted parent directory) or another save to
+        the same prefix took it over, so what it holds is not all this save wrote."""
 
     @abc.abstractmethod
     def retire(self) -> None:
@@ -297,12 +304,22 @@ class LocalDir(Location):
     def staging(self, token: int) -> LocalDir:
         return LocalDir(_commit.temp_path(self.root, token))
 
+    def claim(self, staging: Location, save_id: str) -> None:
+        assert isinstance(staging, LocalDir)
+        staging.root.mkdir(parents=True, exist_ok=True)
+        # Not made durable: it only has to last as long as this process, and goes before the commit.
+        staging.write(PENDING, claim_text(save_id))
+
     def make_durable(self) -> None:
         if self.root.exists():  # absent when this rank had nothing to write
             _os.fsync_tree(self.root)
 
-    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
+    def commit(self, staging: Location, marker: bytes, *, overwrite: bool, save_id: str) -> None:
         assert isinstance(staging, LocalDir)
+        # A writer that finds its folder gone makes it again: only the claim tells that it is
+        # not the folder the save began, and that files written before are missing.
+        check_claim(staging, self.url, save_id)
+        (staging.root / PENDING).unlink()
         # Every rank made its part durable before it reported success; the marker is synced,
         # then the whole directory renamed into place (``_commit.publish``).
         _faults.point("commit.marker", staging=staging.url, final=self.url)
@@ -355,6 +372,24 @@ def check_outside_checkpoints(path: Path, what: str, *, itself: bool = False) ->
             )
 
 
+def claim_text(save_id: str) -> bytes:
+    """The pending marker of the save ``save_id``: what ``commit`` finds there if no other
+    process took its staging area away meanwhile."""
+    return f"layoutckpt save {save_id} in progress; no commit marker yet\n".encode()
+
+
+def check_claim(staging: Location, final: str, save_id: str) -> None:
+    """Raise ``SaveError`` unless ``staging`` still holds the claim of ``save_id``."""
+    if staging.read(PENDING) == claim_text(save_id):
+        return
+    raise SaveError(
+        f"saving {final!r}: its staging area {staging.url!r} no longer holds this save's claim, so some "
+        "of what the save wrote is gone: another process removed it (`layoutckpt gc`, or a parent "
+        "directory deleted) or started another save to the same path; nothing was committed, save again "
+        "once no other process writes there"
+    )
+
+
 class MarkerCommit(Location):
     """The commit of a store without renames: a save writes in place under a pending marker,
     and the root ``zarr.json``, written last, is the commit."""
@@ -367,10 +402,21 @@ class MarkerCommit(Location):
     def staging(self, token: int) -> MarkerCommit:
         return self  # no rename: the save writes in place, invisible until the marker exists
 
-    def commit(self, staging: Location, marker: bytes, *, overwrite: bool) -> None:
+    def claim(self, staging: Location, save_id: str) -> None:
+        assert staging is self
+        self.write(PENDING, claim_text(save_id))
+
+    def commit(self, staging: Location, marker: bytes, *, overwrite: bool, save_id: str) -> None:
         assert staging is self and not overwrite
+        # Another save to this prefix that started meanwhile cleared it and claimed it: both
+        # wrote the same keys, so neither save's objects are whole.
+        check_claim(self, self.url, save_id)
         _faults.point("commit.marker", staging=self.url, final=self.url)
-        self.write(MARKER, marker)
+        if not self.write_new(MARKER, marker):
+            raise CheckpointExistsError(
+                f"another save committed a checkpoint at {self.url!r} while this one wrote there; "
+                "this save committed nothing: save to a new prefix"
+            )
         _faults.point("commit.published", final=self.url)
         try:
             self.drop_pending()
@@ -383,6 +429,13 @@ class MarkerCommit(Location):
     @abc.abstractmethod
     def drop_pending(self) -> None:
         """Remove the pending marker of a save that has just committed."""
+
+    def write_new(self, key: str, data: bytes) -> bool:
+        """Store ``data`` at ``key`` unless a value is there; False where one is."""
+        if self.read(key) is not None:
+            return False
+        self.write(key, data)
+        return True
 
 
 @attrs.frozen(eq=False)
@@ -411,6 +464,14 @@ class KvPrefix(MarkerCommit):
 
     def write(self, key: str, data: bytes) -> None:
         self._kv.write(key, data).result()
+
+    def write_new(self, key: str, data: bytes) -> bool:
+        # Conditional on the generation read: where the store honours conditions (S3's
+        # If-None-Match, GCS preconditions), two saves can never both write ``key``.
+        found = self._kv.read(key).result()
+        if found.state == "value":
+            return False
+        return bool(self._kv.write(key, data, if_equal=found.stamp.generation).result().generation)
 
     def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
         # Object stores take many requests at once; TensorStore bounds them by its concurrency.

@@ -35,6 +35,24 @@ def linux_call(name: str, *argtypes: Any) -> Any:
     return fn
 
 
+_RENAMEAT2 = linux_call("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one step (``renameat2(RENAME_EXCHANGE)``); False where
+    the system or the file system cannot, and nothing was done."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
 # ---------------------------------------------------------------------------------------- writing
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux and a few others; macOS has none

@@ -131,6 +131,22 @@ def read_meta(path: str | os.PathLike[str] | Location) -> CheckpointMeta:
     return parse_root_document(read_marker(loc), loc.url)
 
 
+def explain_replaced(err: IntegrityError, root: Location, save_id: str) -> IntegrityError:
+    """``err``, or where the checkpoint at ``root`` is no longer the save ``save_id`` (replaced
+    by an overwrite, or deleted, while it was read), an error that says so: its files are then
+    another save's, not damaged."""
+    try:
+        replaced = read_meta(root).save_id != save_id
+    except (OSError, ValueError):  # deleted (CheckpointNotFoundError), or in the middle of a rename
+        replaced = True
+    if not replaced:
+        return err
+    return IntegrityError(
+        f"checkpoint {root.url!r} was replaced or deleted while it was read, so its files are no "
+        f"longer the ones it opened; open (or load) it again ({err})"
+    )
+
+
 def is_committed(path: str | os.PathLike[str] | Location) -> bool:
     from ._location import locate
 

@@ -181,8 +181,9 @@ def write_piece(final: Location, piece: Piece, io: IOConfig, done: Callable[[], 
         final.prepare()
         tmp = final.staging(new_token())
         try:
+            final.claim(tmp, piece.meta.save_id)
             written = _write_arrays(tmp, piece, io, loan)
-            final.commit(tmp, root_document(piece.meta), overwrite=False)
+            final.commit(tmp, root_document(piece.meta), overwrite=False, save_id=piece.meta.save_id)
         except BaseException:
             tmp.discard()
             loan.recall()

@@ -307,6 +307,27 @@ def test_a_reader_of_a_checkpoint_replaced_since_it_opened_says_so(tmp_path):
     lc.save(path, {"w": np.ones(4)})
     with lc.open(path) as rd:
         lc.save(path, {"w": np.full(4, 2.0)}, overwrite=True)
-        with pytest.raises(lc.IntegrityError, match="replaced or deleted since this reader opened it"):
+        with pytest.raises(lc.IntegrityError, match="replaced or deleted while it was read"):
             rd.read("w")
     assert lc.open(path).read("w").tolist() == [2.0] * 4
+
+
+def test_a_load_of_a_checkpoint_replaced_after_its_plan_says_so(tmp_path, monkeypatch):
+    # An overwrite (or a manager's retention) between a load's plan and its reads: the shards are
+    # another save's, which the binding blocks tell, but the checkpoint is not damaged.
+    from layoutckpt import _load
+
+    path = tmp_path / "ck"
+    lc.save(path, {"w": np.ones(4)})
+    planned = _load._plan_on_every_rank
+
+    def plan_then_overwrite(*args, **kwargs):
+        out = planned(*args, **kwargs)
+        lc.save(path, {"w": np.full(4, 2.0)}, overwrite=True)
+        return out
+
+    monkeypatch.setattr(_load, "_plan_on_every_rank", plan_then_overwrite)
+    with pytest.raises(lc.IntegrityError, match="replaced or deleted while it was read"):
+        lc.load(path)
+    monkeypatch.undo()
+    assert lc.load(path)["w"].tolist() == [2.0] * 4

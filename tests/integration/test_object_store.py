@@ -122,7 +122,7 @@ _KILLED_SAVE = textwrap.dedent(
     import os, signal, numpy as np, layoutckpt as lc
     from layoutckpt.storage._location import KvPrefix
 
-    def die(self, staging, marker, *, overwrite):  # every array is written; the marker is next
+    def die(self, staging, marker, *, overwrite, save_id):  # every array is written; the marker is next
         os.kill(os.getpid(), signal.SIGKILL)
 
     KvPrefix.commit = die

@@ -19,7 +19,7 @@ from layoutckpt.base._options import DEFAULT_IO
 from layoutckpt.engine._read import BoxRead, read_into
 from layoutckpt.format._shard import BINDING_BYTES, binding, index_bytes
 from layoutckpt.storage._commit import new_token
-from layoutckpt.storage._location import Location, locate
+from layoutckpt.storage._location import PENDING, Location, MarkerCommit, locate
 
 
 class LocationTests:
@@ -46,15 +46,35 @@ class LocationTests:
         final.check_destination(overwrite=False)
         final.prepare()
         staging = final.staging(new_token())
+        final.claim(staging, "id-1")
         staging.write("arr/zarr.json", b"{}")
         staging.make_durable()
         assert not final.committed()
         with pytest.raises(lc.CheckpointNotFoundError):
             lc.open(final.url)
-        final.commit(staging, b'{"marker": true}', overwrite=False)
+        final.commit(staging, b'{"marker": true}', overwrite=False, save_id="id-1")
         assert final.committed()
         assert final.read("arr/zarr.json") == b"{}"
         assert final.read("zarr.json") == b'{"marker": true}'
+        assert final.read(PENDING) is None
+
+    def test_a_staging_area_another_process_cleared_or_claimed_is_never_committed(self):
+        # What ``layoutckpt gc`` or a second save does to a save under way: the writes that
+        # come after make the folder or prefix again, but not the claim of the first save.
+        for intruder in ("cleared", "claimed"):
+            final = self.location()
+            final.prepare()
+            staging = final.staging(new_token())
+            final.claim(staging, "first")
+            staging.write("arr/c/0", b"first's shard")
+            staging.discard()
+            if intruder == "claimed":
+                final.prepare()
+                final.claim(final.staging(new_token()), "second")
+            staging.write("arr/zarr.json", b"{}")
+            with pytest.raises(lc.SaveError, match="no longer holds this save's claim"):
+                final.commit(staging, b'{"marker": true}', overwrite=False, save_id="first")
+            assert not final.committed()
 
     def test_a_committed_checkpoint_is_never_replaced_by_accident(self):
         url = self.new_url()
@@ -64,6 +84,14 @@ class LocationTests:
         with pytest.raises(lc.CheckpointExistsError):
             lc.save(url, {"x": np.arange(4)})
         assert lc.load(url)["x"].tolist() == [0, 1, 2]
+
+    def test_a_store_without_renames_writes_the_marker_only_where_none_is(self):
+        loc = self.location()
+        if not isinstance(loc, MarkerCommit):
+            pytest.skip("a directory commits by rename, which refuses a committed checkpoint itself")
+        assert loc.write_new("zarr.json", b"first")
+        assert not loc.write_new("zarr.json", b"second")
+        assert loc.read("zarr.json") == b"first"
 
     def test_discard_deletes_everything_stored_there(self):
         loc = self.location()
