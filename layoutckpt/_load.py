@@ -456,8 +456,15 @@ def _targets(
             continue
         rule = layout.rule_for(gname) if user_layout is not None and target is not None else None
         view = rule[1] if rule is not None else None
+        if isinstance(view, Fused) and gname in stored_leaves and not is_dtensor(target):
+            # Saved without its Fused rule: one array, whose parts lie one after another.
+            c = _plan_fused_whole(gname, view, target, meta, layout.mesh, comm.rank)
+            if c is not None:
+                composites[name] = c
+                holders.update({key: (layout.mesh, view.spec, f"{view!r} {tuple(target.shape)}") for key, _ in c.parts})
+                continue
         if isinstance(view, Fused) and gname in stored_leaves:
-            view = None  # saved without its Fused rule: read as the one array it is (``_stored_of``)
+            view = None  # each rank's rows are a plain piece of the one array (``_stored_of``)
         if isinstance(view, Fused | Padded) and not is_dtensor(target):
             composites[name] = c = _plan_view(gname, view, target, meta, layout.mesh, comm.rank)
             decides = f"{view!r} {tuple(target.shape)}"  # the template's shape cuts the parts
@@ -492,15 +499,41 @@ def _stored_spec(layout: Layout | None, name: str) -> P:
     array) as its fused (padded) rule's inner ``P`` says, any other array as its rule does."""
     if layout is None:
         return P()
-    head, dot, last = name.rpartition(".")
-    fused, _, part = head.rpartition(".")
-    # ``part_name``'s two forms: ``a.qkv.q.weight`` is part q of ``a.qkv.weight``, ``qkv.q`` of ``qkv``.
-    whole, part = (f"{fused}.{last}", part) if fused else (head, last)
-    rule = layout.rule_for(whole) if dot else None
-    if rule is not None and isinstance(rule[1], Fused) and part in dict(rule[1].parts):
-        return rule[1].spec
+    part = layout.fused_part_spec(name)
+    if part is not None:
+        return part
     spec = layout.spec_for(name)
     return spec.spec if isinstance(spec, Fused | Padded) else spec  # type: ignore[return-value]
+
+
+def _plan_fused_whole(
+    name: str, view: Fused, target: Any, meta: CheckpointMeta, mesh: Any, rank: int
+) -> Composite | None:
+    """The reads that fill a fused template leaf from the one array it was saved as: this
+    rank's rows of each part, at the part's offset in the stored array. None where those rows
+    are one plain piece of it: grouped parts, or a spec that does not split the fused dimension."""
+    a = meta.arrays[name]
+    check_spec(view.spec, mesh, len(a.shape), name, a.shape)
+    if view.groups is not None or _plan.shard_box(a.shape, view.spec, mesh, rank)[view.dim] == (0, a.shape[view.dim]):
+        return None
+    sizes = [size for _, size in view.parts]
+    if view.dim >= len(a.shape) or sum(sizes) != a.shape[view.dim]:
+        raise TemplateMismatchError(
+            f"array {name!r} is stored whole, {a.shape}, but the parts of {view!r} add up to {sum(sizes)} "
+            f"along dimension {view.dim}; give the rule the sizes it was saved with"
+        )
+    shape = tuple(target.shape)
+    cuts = view.cuts(name, shape, mesh, mesh.coords(rank))
+    parts, offset = [], 0
+    for (_, cut), size in zip(cuts, sizes):
+        part = (*a.shape[: view.dim], size, *a.shape[view.dim + 1 :])
+        box = list(_plan.shard_box(part, view.spec, mesh, rank))
+        start, stop = box[view.dim]
+        box[view.dim] = (start + offset, stop + offset)
+        parts.append(((name, tuple(box)), cut))
+        offset += size
+    _check_template(name, target, a, shape, view)
+    return Composite(shape, a.dtype, tuple(parts))
 
 
 def _plan_view(name: str, view: Fused | Padded, target: Any, meta: CheckpointMeta, mesh: Any, rank: int) -> Composite:
@@ -532,7 +565,22 @@ def _plan_view(name: str, view: Fused | Padded, target: Any, meta: CheckpointMet
     _check_template(name, target, meta.arrays[cuts[0][0]], shape, view)
     if len(dtypes) > 1:
         raise TemplateMismatchError(f"array {name!r}: its parts are stored with different dtypes {sorted(dtypes)}")
-    return Composite(shape, dtypes.pop(), tuple(parts), fill)
+    dtype = dtypes.pop()
+    _check_fill(name, view, fill, numpy_dtype(dtype))
+    return Composite(shape, dtype, tuple(parts), fill)
+
+
+def _check_fill(name: str, view: Any, fill: float, dtype: np.dtype) -> None:
+    """An integer or bool array's padding value must be one of its values, not rounded into one."""
+    if dtype.kind not in "biu" or fill == 0:
+        return
+    with np.errstate(all="ignore"):
+        exact = np.array(fill).astype(dtype).item() == fill
+    if not exact:
+        raise TemplateMismatchError(
+            f"array {name!r}: the padding value {fill!r} of {view!r} is not a {dtype} value; give a value "
+            "the array's dtype holds"
+        )
 
 
 @collector_paused()
@@ -633,7 +681,8 @@ class _Builder:
         # A box in page-locked memory is copied without waiting; ``_settle`` waits for every such
         # copy at the end.
         unblocked = key in self.copied_async
-        if plan.options.inplace and target is not None:
+        # A NumPy scalar is immutable: it comes back as a new one, as without ``inplace``.
+        if plan.options.inplace and target is not None and not isinstance(target, np.generic):
             return target if name in self.filled else _fill(target, self.shard(name), non_blocking=unblocked)
         if key not in self.built:
             # One object per stored array and box: names tied at save time stay tied.
@@ -662,7 +711,7 @@ class _Builder:
         kind = a.kind
         target = self.plan.template.get(name)
         if target is not None:
-            kind = "torch" if is_tensor(target) else "numpy"
+            kind = "torch" if is_tensor(target) else "numpy_scalar" if isinstance(target, np.generic) else "numpy"
         if kind == "numpy_scalar":
             return data[()]
         if kind == "numpy" or not installed():  # without torch installed, every array is NumPy
@@ -707,7 +756,8 @@ def _fill(target: Any, data: Any, *, non_blocking: bool = False) -> Any:
     if isinstance(local, np.ndarray):
         local[...] = data
     else:
-        local.copy_(data, non_blocking=non_blocking)
+        # ``detach``: a parameter that requires grad takes no in-place copy otherwise.
+        local.detach().copy_(data, non_blocking=non_blocking)
     return target
 
 

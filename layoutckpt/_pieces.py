@@ -115,8 +115,35 @@ def localize(leaves: Mapping[str, Any], layout: Layout | None, mesh: Mesh, rank:
             cut, _, rows = spec.cut(name, p.shape, mesh, coords)
             out.append(attrs.evolve(_cut(p, name, cut, spec.spec), pad=(spec.dim, rows)))
         else:
+            _check_not_a_part(layout, name, spec)
             out.append(attrs.evolve(p, name=name, spec=None if p.dtensor is not None else spec))
+    _check_unique(out)
     return out
+
+
+def _check_not_a_part(layout: Layout, name: str, spec: Any) -> None:
+    """A leaf named as a ``Fused`` rule names a part of another leaf is loaded as that part (the
+    checkpoint cannot tell them apart): it must be split as the part would be."""
+    part = layout.fused_part_spec(name)
+    if part is not None and spec is not None and part != spec:
+        raise LayoutError(
+            f"array {name!r} is split by {spec!r}, but it is named as a part of a leaf that a Fused rule "
+            f"matches, which a load splits by {part!r}; rename the leaf, or give it a rule that splits it "
+            "as that part"
+        )
+
+
+def _check_unique(pieces: list[Piece]) -> None:
+    """Two leaves whose stored names meet (a fused part's name that is also a leaf's, a rename
+    onto one) would each overwrite the other's array."""
+    seen: dict[str, str] = {}
+    for p in pieces:
+        other = seen.setdefault(p.name, p.local)
+        if other != p.local:
+            raise LayoutError(
+                f"array {p.name!r} is stored from two leaves, {other!r} and {p.local!r} (a fused part or "
+                "a rename gives one the other's name); each would overwrite the other: rename one of them"
+            )
 
 
 def _spec(layout: Layout | None, name: str) -> Any:

@@ -611,17 +611,24 @@ def _writes(
 def _array_metas(comm: Comm, what: _ToPlan) -> tuple[dict[str, ArrayMeta], list[_plan.ArraySpec]]:
     """The document and the plan entry of each regular array, its global shape recovered from
     the local shapes of the ranks holding it (or its DTensor's)."""
-    local_dims = [d for a in what.arrays for d in a.shape]
+    # A padded array's rows per piece ride along: every rank must pad to the same length.
+    local_dims = [d for a in what.arrays for d in (*a.shape, a.pad[1] if a.pad is not None else 0)]
     sums = comm.all_reduce(local_dims, "sum")
     # A rank holding no piece of an array (another stage's) takes no part in its extremes.
-    held = [a.source is not None for a in what.arrays for _ in a.shape]
+    held = [a.source is not None for a in what.arrays for _ in range(len(a.shape) + 1)]
     hi = comm.all_reduce([*local_dims, *(-d if h else -_NONE for d, h in zip(local_dims, held))], "max")
     maxs, mins = hi[: len(local_dims)], [-v for v in hi[len(local_dims) :]]
     plan_arrays: list[_plan.ArraySpec] = []
     offset = 0
     for index, (a, (m, spec)) in enumerate(zip(what.arrays, what.shardings)):
         sl = slice(offset, offset + len(a.shape))
-        offset += len(a.shape)
+        offset += len(a.shape) + 1
+        if a.pad is not None and mins[sl.stop] != maxs[sl.stop]:
+            raise InconsistentShardsError(
+                f"array {a.name!r}: the ranks pad their pieces to different lengths ({mins[sl.stop]} to "
+                f"{maxs[sl.stop]} rows along dimension {a.pad[0]}); every rank must hold the same number of "
+                "rows, padded as the model pads its vocabulary (the last rank's tail is the padding)"
+            )
         holders = what.holders(index)
         if a.dtensor is not None:
             shape = tuple(a.dtensor.shape)

@@ -144,6 +144,19 @@ class Layout:
         self._found[name] = found
         return found
 
+    def fused_part_spec(self, name: str) -> P | None:
+        """Where ``name`` is a part's stored name (``a.qkv.q.weight``, ``qkv.q``) of a leaf a
+        ``Fused`` rule matches, that rule's inner ``P``, which splits the part; else None."""
+        head, dot, last = name.rpartition(".")
+        if not dot:
+            return None
+        fused, _, part = head.rpartition(".")
+        whole, part = (f"{fused}.{last}", part) if fused else (head, last)
+        rule = self.rule_for(whole)
+        if rule is not None and isinstance(rule[1], Fused) and part in dict(rule[1].parts):
+            return rule[1].spec
+        return None
+
     @property
     def stage_axes(self) -> tuple[str, ...]:
         """The axes whose ranks hold different names: ``stages`` and every ``Renumber``'s axis,
@@ -202,7 +215,7 @@ class Layout:
         with open(path, "rb") as f:
             try:
                 doc = tomllib.load(f)
-            except tomllib.TOMLDecodeError as err:
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
                 raise LayoutError(f"Layout file {os.fspath(path)!r} is not valid TOML: {err}") from None
         return cls.from_toml_dict(doc, mesh, source=os.fspath(path))
 
@@ -215,6 +228,8 @@ class Layout:
         missing mesh, an unknown key in a rule, a spec that is not a ``P(...)`` literal, or an
         axis the mesh lacks.
         """
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise LayoutError(f"{source}: mesh= must be a Mesh, such as Mesh({{'tp': 4}}), got {type(mesh).__name__}")
         if mesh is None:
             if "mesh" not in doc:
                 raise LayoutError(f"{source}: has no [mesh] table; pass mesh= to Layout.from_file")
@@ -297,10 +312,13 @@ def _toml_names(value: object) -> list[NameRule]:
                 f"names #{i} must be {{renumber = '<regex>', axis = '<axis>', per = N}} (or starts = [...]) "
                 f"or {{rename = '<regex>', to = '<replacement>'}}; got keys {sorted(table)}"
             )
+        needed = "axis" if kind == "renumber" else "to"
+        if needed not in table:
+            raise LayoutError(f"names #{i} ({kind} {table[kind]!r}) lacks {needed!r}")
         if kind == "renumber":
-            out.append(Renumber(table["renumber"], table.get("axis", ""), table.get("per"), table.get("starts")))
+            out.append(Renumber(table["renumber"], table["axis"], table.get("per"), table.get("starts")))
         else:
-            out.append(Rename(table["rename"], table.get("to", "")))
+            out.append(Rename(table["rename"], table["to"]))
     return out
 
 
@@ -310,11 +328,11 @@ def parse_spec(text: str, where: str = "spec") -> P | Fused | Padded:
     shape_hint = "must look like \"P('tp', None)\", \"Fused(P('tp'), [('q', 64), ('k', 16)], groups=2)\" or \"Padded(P('tp'), 50257)\""
     try:
         node = ast.parse(text.strip(), mode="eval").body if isinstance(text, str) else None
-    except SyntaxError:
+    except (SyntaxError, MemoryError, RecursionError):  # the last two: absurdly nested text
         node = None
     try:
         spec = _build_spec(node)
-    except (ValueError, TypeError, LayoutError) as err:
+    except (ValueError, TypeError, LayoutError, MemoryError, RecursionError) as err:
         raise LayoutError(f"{where}: spec {text!r} is not valid: {err}") from None
     if spec is None:
         raise LayoutError(f"{where}: spec {text!r} {shape_hint}")
@@ -330,7 +348,8 @@ def _build_spec(node: ast.AST | None) -> Any:
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SPEC_CALLS):
         return None
     kind = node.func.id
-    if kind == "P" and node.keywords:
+    # ``**{...}`` has no name (``arg`` None): not a literal keyword, so not a spec.
+    if (kind == "P" and node.keywords) or any(k.arg is None for k in node.keywords):
         return None
 
     def value(arg: ast.AST) -> Any:
@@ -338,5 +357,5 @@ def _build_spec(node: ast.AST | None) -> Any:
         return inner if inner is not None else ast.literal_eval(arg)
 
     args = [value(a) for a in node.args]
-    kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
     return _SPEC_CALLS[kind](*args, **kwargs)

@@ -35,6 +35,8 @@ def _compiled(pattern: object) -> re.Pattern[str]:
 def _starts(value: Sequence[int] | None) -> tuple[int, ...] | None:
     if value is None:
         return None
+    if not isinstance(value, list | tuple):
+        raise LayoutError(f"Renumber starts must be a list of integers, one per coordinate, got {value!r}")
     starts = tuple(value)
     if not starts or starts[0] != 0 or any(not isinstance(s, int) or isinstance(s, bool) for s in starts):
         raise LayoutError(f"Renumber starts {starts!r} must be integers beginning with 0, one per coordinate")
@@ -91,7 +93,13 @@ class Renumber:
         match = self._regex.search(name)
         if match is None:
             return name
-        local = int(match.group(1))
+        digits = match.group(1)
+        if not (digits.isascii() and digits.isdigit()):
+            raise LayoutError(
+                f"array {name!r}: {self!r} captures {digits!r}, not a number; make the capture group "
+                "match the digits only, such as (\\d+)"
+            )
+        local = int(digits)
         first, end = self.span(coords[self.axis])
         number = first + local
         if end is not None and number >= end:
@@ -147,10 +155,11 @@ def check_names(rules: tuple[NameRule, ...], mesh: Mesh) -> None:
         if isinstance(rule, Renumber):
             if rule.axis not in mesh.axis_names:
                 raise LayoutError(f"{rule!r} numbers along axis {rule.axis!r}, which {mesh!r} does not have")
-            if rule.starts is not None and len(rule.starts) < mesh.axis_size(rule.axis):
+            size = mesh.axis_size(rule.axis)
+            if rule.starts is not None and not size <= len(rule.starts) <= size + 1:
                 raise LayoutError(
-                    f"{rule!r} gives {len(rule.starts)} starts but axis {rule.axis!r} has "
-                    f"{mesh.axis_size(rule.axis)} coordinates; give one start per coordinate"
+                    f"{rule!r} gives {len(rule.starts)} starts but axis {rule.axis!r} has {size} coordinates; "
+                    "give one start per coordinate (and, optionally, the total after them)"
                 )
 
 

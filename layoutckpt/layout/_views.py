@@ -189,6 +189,11 @@ class Padded:
     dim: int = attrs.field(default=0, kw_only=True, converter=_nonneg_dim)
     value: float = attrs.field(default=0, kw_only=True)
 
+    @value.validator
+    def _check_value(self, _: object, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise LayoutError(f"Padded value (what fills the padding rows) must be a number, got {value!r}")
+
     @size.validator
     def _check_size(self, _: object, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -224,6 +224,27 @@ def test_toml_layout_good_file_parses(tmp_path):
             ["layout.toml", "'.*'", "'dp'", "use one of ['tp']"],
         ),
         ("rules = ['.*']\n[mesh]\ntp = 1\n", ["layout.toml", "rule #0", "'match' and 'spec'"]),
+        # ``**{...}`` is no literal keyword: taking it silently dropped it (groups, dim).
+        (
+            "[mesh]\ntp = 1\n[[rules]]\nmatch = '.*'\nspec = \"Padded(P(None, 'tp'), 10, **{'dim': 1})\"\n",
+            ["layout.toml", "rule #0", "must look like"],
+        ),
+        (
+            "[mesh]\ntp = 1\n[[rules]]\nmatch = '.*'\nspec = \"Padded(P('tp'), 10, value='zero')\"\n",
+            ["layout.toml", "rule #0", "must be a number", "'zero'"],
+        ),
+        (
+            "[mesh]\npp = 2\n[[rules]]\nmatch = '.*'\n[[names]]\nrenumber = '^l\\\\.(\\\\d+)'\naxis = 'pp'\nstarts = 5\n",
+            ["layout.toml", "starts must be a list", "5"],
+        ),
+        (
+            "[mesh]\ntp = 1\n[[rules]]\nmatch = '.*'\n[[names]]\nrename = '^a'\n",
+            ["layout.toml", "names #0", "lacks 'to'"],
+        ),
+        (
+            "[mesh]\npp = 2\n[[rules]]\nmatch = '.*'\n[[names]]\nrenumber = '^l\\\\.(\\\\d+)'\nper = 2\n",
+            ["layout.toml", "names #0", "lacks 'axis'"],
+        ),
     ],
 )
 def test_toml_layout_file_errors(tmp_path, text, fragments):
@@ -235,6 +256,30 @@ def test_toml_layout_file_errors(tmp_path, text, fragments):
 def test_toml_layout_file_missing(tmp_path):
     with pytest.raises(FileNotFoundError):
         lc.Layout.from_file(tmp_path / "nope.toml", MESH1)
+
+
+def test_toml_layout_file_not_utf8_or_given_no_mesh(tmp_path):
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("# caf\u00e9\n[mesh]\ntp = 1\n[[rules]]\nmatch = '.*'\n".encode("latin-1"))
+    with pytest.raises(lc.LayoutError, match=r"latin1\.toml.*not valid TOML"):
+        lc.Layout.from_file(latin1)
+    with pytest.raises(lc.LayoutError, match="mesh= must be a Mesh"):
+        lc.Layout.from_toml_dict({"axes": ["tp"], "rules": [{"match": ".*"}]}, {"tp": 1})
+
+
+def test_renumbering_that_captures_no_number_or_too_many_starts_is_refused(tmp_path):
+    layout = lc.Layout(lc.Mesh({"pp": 1}), [(".*", lc.P())], names=[lc.Renumber(r"^(layers)\.", "pp", per=2)])
+    with pytest.raises(lc.LayoutError, match="captures 'layers', not a number"):
+        lc.save(tmp_path / "ck", {"layers.0.w": np.ones(2)}, layout)
+    with pytest.raises(lc.LayoutError, match="gives 4 starts but axis 'pp' has 2 coordinates"):
+        lc.Layout(lc.Mesh({"pp": 2}), [(".*", lc.P())], names=[lc.Renumber(r"^l\.(\d+)", "pp", starts=[0, 2, 5, 9])])
+
+
+def test_a_padding_value_the_dtype_cannot_hold_is_refused(tmp_path):
+    lc.save(tmp_path / "ck", {"e": np.arange(6, dtype=np.int32).reshape(3, 2)})
+    layout = lc.Layout(lc.Mesh({}), [(r"^e$", lc.Padded(lc.P(), 3, value=1.5))])
+    with pytest.raises(lc.TemplateMismatchError, match=r"padding value 1\.5 .* is not a int32 value"):
+        lc.load(tmp_path / "ck", layout, like={"e": np.zeros((4, 2), np.int32)})
 
 
 # --- names, leaves, dtypes ---------------------------------------------------------------------
