@@ -248,7 +248,9 @@ class Reader:
             return self.read(name, index, out=out)
         data = np.asarray(self.read(name, index))  # an integer index gives a NumPy scalar
         if any(stride < 0 for stride in data.strides):
-            data = np.ascontiguousarray(data)
+            # Not ``ascontiguousarray``: it counts a dimension of one element as contiguous
+            # whatever its stride, and returns such an array as it is.
+            data = data.copy(order="C")
         return from_numpy(data, self._array(name).dtype)
 
     def read_many(self, items: Iterable[str | tuple[str, Any]]) -> list[np.ndarray]:

@@ -52,3 +52,26 @@ def test_a_template_that_cannot_take_the_bytes_is_refused_before_any_read(tmp_pa
     for inplace in (False, True):
         with pytest.raises(lc.TemplateMismatchError, match=r"leaf 'step'.*plain value"):
             lc.load(tmp_path / "c", like={"w": torch.zeros(2, 3), "step": step}, inplace=inplace)
+
+
+def test_parameters_that_take_a_copy_are_filled_in_place(tmp_path):
+    # A contiguous parameter is read into straight; a transposed one or a fused one takes a
+    # copy, which torch refuses on a leaf that requires grad unless it is detached.
+    w = torch.arange(12.0).reshape(3, 4)
+    lc.save(tmp_path / "plain", {"w": w})
+    transposed = torch.nn.Parameter(torch.zeros(4, 3).t())
+    lc.load(tmp_path / "plain", like={"w": transposed}, inplace=True)
+    layout = lc.Layout(lc.Mesh({}), [(r"^qkv$", lc.Fused(lc.P(), [("q", 2), ("k", 1)]))])
+    lc.save(tmp_path / "fused", {"qkv": w}, layout)
+    fused = torch.nn.Parameter(torch.zeros(3, 4))
+    lc.load(tmp_path / "fused", layout, like={"qkv": fused}, inplace=True)
+    assert torch.equal(transposed.detach(), w) and torch.equal(fused.detach(), w)
+    assert transposed.requires_grad and fused.requires_grad
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_numpy_scalar_in_the_template_comes_back_a_numpy_scalar(tmp_path, inplace):
+    state = {"w": torch.arange(4.0), "step": np.int64(7)}
+    lc.save(tmp_path / "ck", state)
+    got = lc.load(tmp_path / "ck", like={"w": torch.zeros(4), "step": np.int64(0)}, inplace=inplace)
+    assert type(got["step"]) is np.int64 and got["step"] == 7 and torch.equal(got["w"], state["w"])

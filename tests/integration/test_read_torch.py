@@ -118,3 +118,12 @@ def test_without_torch_read_works_and_read_torch_says_what_it_needs(saved):
     )
     assert proc.returncode == 0, proc.stderr
     assert "read_torch('float32') needs PyTorch" in proc.stdout and "Reader.read" in proc.stdout
+
+
+@pytest.mark.parametrize("index", [np.s_[0::-1], np.s_[2:1:-1], np.s_[:, 3:2:-1], np.s_[::-1]], ids=str)
+def test_a_reversed_slice_reads_as_the_numpy_read_does(tmp_path, index):
+    # A reversed slice of one element keeps its negative stride through ``ascontiguousarray``.
+    w = np.arange(12.0).reshape(3, 4)
+    lc.save(tmp_path / "ck", {"w": w})
+    with lc.open(tmp_path / "ck") as rd:
+        assert torch.equal(rd.read_torch("w", index), torch.from_numpy(w[index].copy()))
