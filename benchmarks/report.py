@@ -118,6 +118,17 @@ def _packings(results: dict[str, Any]) -> str:
     return f" layoutckpt's checkpoints: {cells} (`packing=` {results.get('options', {}).get('packing', 'auto')})."
 
 
+def failed_checks(results: dict[str, Any]) -> list[str]:
+    """The data checks (``digest_checks``) that failed, as ``N = world: check``: a run whose
+    loads gave wrong data has no figures to publish."""
+    return [
+        f"N = {w}: {check}"
+        for w, world in sorted(results["worlds"].items(), key=lambda item: int(item[0]))
+        for check, ok in world.get("digest_checks", {}).items()
+        if not ok
+    ]
+
+
 def render(results: dict[str, Any]) -> str:
     """The stamp and the markdown table of ``results`` (as ``bench.py --json`` writes it)."""
     worlds = sorted(results["worlds"], key=int)
@@ -233,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     if not complete(results) and not args.force:
         print(f"{args.update} not updated: a --quick or --only run (give --force to update anyway)")
         return 0
+    failed = failed_checks(results)
+    if failed:
+        print(f"{args.update} not updated: loads that gave wrong data, {failed}", file=sys.stderr)
+        return 1
     with open(args.update) as f:
         text = f.read()
     try:

@@ -202,3 +202,15 @@ def test_commit_and_date_given_on_the_command_line_fill_in_what_the_json_lacks(t
     data.write_text(json.dumps(results))
     assert report.main(["--json", str(data), "--commit", "fedcba987654", "--date", "2026-01-02T03:04:05+00:00"]) == 0
     assert "run of commit `fedcba9`, 2026-01-02 03:04 UTC:" in capsys.readouterr().out
+
+
+def test_a_run_whose_loads_gave_wrong_data_is_not_published(tmp_path):
+    results = copy.deepcopy(RESULTS)
+    results["worlds"]["2"]["digest_checks"] = {"lc_load": True, "dcp_load_inplace": False}
+    page = tmp_path / "performance.md"
+    page.write_text(PAGE)
+    data = tmp_path / "bench.json"
+    data.write_text(json.dumps(results))
+    assert report.main(["--json", str(data), "--update", str(page)]) == 1
+    assert page.read_text() == PAGE
+    assert report.failed_checks(results) == ["N = 2: dcp_load_inplace"]
