@@ -19,7 +19,7 @@ from layoutckpt.base._options import DEFAULT_IO
 from layoutckpt.engine._read import BoxRead, read_into
 from layoutckpt.format._shard import BINDING_BYTES, binding, index_bytes
 from layoutckpt.storage._commit import new_token
-from layoutckpt.storage._location import PENDING, Location, MarkerCommit, locate
+from layoutckpt.storage._location import PENDING, Location, locate
 
 
 class LocationTests:
@@ -85,13 +85,21 @@ class LocationTests:
             lc.save(url, {"x": np.arange(4)})
         assert lc.load(url)["x"].tolist() == [0, 1, 2]
 
-    def test_a_store_without_renames_writes_the_marker_only_where_none_is(self):
-        loc = self.location()
-        if not isinstance(loc, MarkerCommit):
-            pytest.skip("a directory commits by rename, which refuses a committed checkpoint itself")
-        assert loc.write_new("zarr.json", b"first")
-        assert not loc.write_new("zarr.json", b"second")
-        assert loc.read("zarr.json") == b"first"
+    def test_a_commit_never_replaces_a_checkpoint_committed_meanwhile(self):
+        # Two saves to one path that both passed the check for a committed checkpoint: the
+        # second to commit finds the first's marker (a rename onto its directory, or a
+        # conditional write of the root document).
+        final = self.location()
+        for save_id, data in (("first", b'{"m": 1}'), ("second", b'{"m": 2}')):
+            staging = final.staging(new_token())
+            final.claim(staging, save_id)
+            staging.write("a/zarr.json", data)
+            staging.make_durable()
+            if save_id == "first":
+                final.commit(staging, data, overwrite=False, save_id=save_id)
+        with pytest.raises(lc.CheckpointExistsError, match="committed"):
+            final.commit(staging, data, overwrite=False, save_id="second")
+        assert final.read("zarr.json") == b'{"m": 1}'
 
     def test_discard_deletes_everything_stored_there(self):
         loc = self.location()
