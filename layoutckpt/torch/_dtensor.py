@@ -148,7 +148,10 @@ def check_box(dt: Any, mesh: Mesh, spec: P, rank: int, name: str) -> Box:
     box = shard_box(tuple(dt.shape), spec, mesh, rank)
     local, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
     theirs = tuple((int(o), int(o) + int(n)) for o, n in zip(offset, local))
-    empty = any(b <= a for a, b in box) and any(b <= a for a, b in theirs)
+    # Empty shards may sit at other offsets (no element is placed), but not have other shapes:
+    # the shard's shape is checked against the box's later.
+    shape = tuple(b - a for a, b in box)
+    empty = any(b <= a for a, b in box) and shape == tuple(b - a for a, b in theirs)
     if box != theirs and not empty:
         raise LayoutError(
             f"array {name!r} with shape {tuple(dt.shape)}: its DTensor placements {tuple(dt.placements)} put "

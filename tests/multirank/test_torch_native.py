@@ -192,6 +192,10 @@ def resume_2d(rank: int, world: int, out: Path) -> dict[str, Any]:
     result["rule_errors"] = _errors(lambda: lc.save(out / "bad-rule", {"layers.0.attention.wq.weight": wq}, wrong))
     partial = DTensor.from_local(torch.full((4, 2), float(rank)), mesh["tp"], [Partial()])
     result["partial_errors"] = _errors(lambda: lc.save(out / "partial", {"pending": partial}))
+    # 5 rows over dp x tp nest unevenly: DTensor gives rank 1 row 2, a spec rows 1:3. With no
+    # columns the shards hold no element, but their shapes still differ.
+    empty = distribute_tensor(torch.zeros(5, 0), mesh, [Shard(0), Shard(0)])
+    result["empty_uneven_errors"] = _errors(lambda: lc.save(out / "empty-uneven", {"x": empty}))
 
     # DTensors on a flattened and on a sliced sub-mesh of the 2-D root mesh.
     flat = distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh["dp", "tp"]._flatten(), [Shard(0)])
@@ -361,6 +365,12 @@ def test_partial_dtensor_raises(twod: dict[str, Any]) -> None:
     for err in twod["partial_errors"]:
         assert isinstance(err, lc.LayoutError), err
         assert "'pending'" in str(err) and "Partial" in str(err)
+
+
+def test_an_empty_dtensor_split_unevenly_on_two_axes_gets_the_layout_error(twod: dict[str, Any]) -> None:
+    for err in twod["empty_uneven_errors"]:
+        assert isinstance(err, lc.LayoutError), err
+        assert "'x' with shape (5, 0)" in str(err) and "pad the dimension" in str(err)
 
 
 def test_dtensors_on_flattened_and_sliced_submeshes(trained: tuple[Path, dict[str, Any]], twod: dict[str, Any]) -> None:
