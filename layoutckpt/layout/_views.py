@@ -15,10 +15,12 @@ declaration, the mesh, its coordinates and its local shape.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from ..base._errors import LayoutError
 from ._plan import entry_split, split_range
@@ -84,6 +86,15 @@ def _nonneg_dim(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise LayoutError(f"dim must be an integer >= 0, got {value!r}")
     return value
+
+
+def _fill_value(value: object) -> float:
+    """A padding value as a plain Python number (NumPy's too: a pad id read from an array)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise LayoutError(f"Padded value (what fills the padding rows) must be a number, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def _spec(value: object) -> P:
@@ -187,12 +198,7 @@ class Padded:
     spec: P = attrs.field(converter=_spec)
     size: int = attrs.field()
     dim: int = attrs.field(default=0, kw_only=True, converter=_nonneg_dim)
-    value: float = attrs.field(default=0, kw_only=True)
-
-    @value.validator
-    def _check_value(self, _: object, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise LayoutError(f"Padded value (what fills the padding rows) must be a number, got {value!r}")
+    value: float = attrs.field(default=0, kw_only=True, converter=_fill_value)
 
     @size.validator
     def _check_size(self, _: object, value: object) -> None:

@@ -727,3 +727,13 @@ def test_select_of_a_stored_name_this_load_gives_otherwise_says_so(tmp_path):
         lc.load(tmp_path / "ck", flat, select=["m.a"])
     with pytest.raises(KeyError, match=r"\['x'\] that the checkpoint does not have"):
         lc.load(tmp_path / "ck", flat, select=["x"])
+
+
+def test_a_numpy_padding_value_is_taken_as_its_number(tmp_path):
+    # A pad id read from a NumPy table: np.int64 is no Python int, but a number all the same.
+    layout = lc.Layout(lc.Mesh({}), [(r"^e$", lc.Padded(lc.P(), 3, value=np.int64(-100)))])
+    lc.save(tmp_path / "ck", {"e": np.arange(6, dtype=np.int32).reshape(3, 2)}, layout)
+    got = lc.load(tmp_path / "ck", layout, like={"e": np.zeros((4, 2), np.int32)})["e"]
+    assert got[3].tolist() == [-100, -100] and type(layout.rules[0][1].value) is int
+    with pytest.raises(lc.LayoutError, match="must be a number"):
+        lc.Padded(lc.P(), 3, value=True)
