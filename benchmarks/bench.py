@@ -207,7 +207,10 @@ def select(only: str | None) -> list[str]:
         raise SystemExit(f"--only: unknown {sorted(unknown)}; groups {GROUPS}, systems {SYSTEMS}")
     groups = words & set(GROUPS) or set(GROUPS)
     systems = (words & set(SYSTEMS) or set(SYSTEMS)) | {"limit"}
+    # The load group's limits (raw read, memcpy, checked read) bound the resharded rows too.
+    limited = groups | ({"load"} if "reshard" in groups else set())
     chosen = {k for k, m in MEASUREMENTS.items() if m["group"] in groups and m["system"] in systems}
+    chosen |= {k for k, m in MEASUREMENTS.items() if m["system"] == "limit" and m["group"] in limited}
     chosen |= {MEASUREMENTS[k]["needs"] for k in chosen if "needs" in MEASUREMENTS[k]}
     return [k for k in MEASUREMENTS if k in chosen]
 

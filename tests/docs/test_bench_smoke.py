@@ -140,7 +140,7 @@ def test_quick_run_reports_every_row(tmp_path):
         assert results["options"]["packing"] == "auto" and res["lc_packing"] == "files"
 
 
-@pytest.mark.parametrize("only", ["partial,lc", "nosuch"])
+@pytest.mark.parametrize("only", ["partial,lc", "reshard,lc", "nosuch"])
 def test_only_selects_or_refuses(only, tmp_path):
     sys.path.insert(0, str(BENCH.parent))
     try:
@@ -152,6 +152,11 @@ def test_only_selects_or_refuses(only, tmp_path):
             bench.select(only)
         return
     chosen = bench.select(only)
+    if only == "reshard,lc":
+        # the resharded loads with the load limits that bound them, and the writes they read
+        limits = {"raw_read", "memcpy_load", "raw_read_into", "checked_read_into"}
+        assert set(chosen) == {"lc_reshard", "lc_reshard_inplace", "lc_save", "raw_write"} | limits
+        return
     # lc's partial reads, the raw limits beside them, and the writes they read
     assert set(chosen) == {"lc_read_tensor", "lc_read_rows", "raw_read_tensor", "raw_read_rows", "lc_save", "raw_write"}
 
