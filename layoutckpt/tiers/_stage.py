@@ -10,6 +10,7 @@ allocates nothing after the first steps.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -72,6 +73,9 @@ class Staging:
         host: list[tuple[Any, Any]] = []
         device: list[tuple[Any, Any]] = []
         arrays = self.piece.arrays
+        # Kept buffers of sizes this save does not take go back to the system: a state whose
+        # shapes change would otherwise keep one of every size it ever had.
+        self.pool.trim(collections.Counter(map(_nbytes, self.sources.values())))
         for name, s in self.sources.items():
             d = arrays[name] = _buffer(s, self.pool, self.buffers)
             if not is_tensor(s):
@@ -177,6 +181,10 @@ def _like_last(structure: Any, values: dict[str, Any], last: Tree | None) -> Any
 
 
 _ABSENT = object()
+
+
+def _nbytes(src: Any) -> int:
+    return src.numel() * src.element_size() if is_tensor(src) else src.nbytes
 
 
 def _buffer(src: Any, pool: HostBuffers, held: list[Any]) -> Any:

@@ -31,6 +31,9 @@ from ._pinned import page_locked
 from ._tensors import to_numpy
 from ._torch import installed, is_tensor, torch
 
+# Views kept per buffer: one for a state saved alike every step, a few where shapes alternate.
+_VIEWS_PER_BUFFER = 4
+
 
 class HostBuffers:
     """A pool of uint8 host buffers with a byte budget; thread-safe."""
@@ -103,6 +106,8 @@ class HostBuffers:
             key = (dtype, tuple(shape))
             out = views.get(key)
             if out is None:
+                if len(views) >= _VIEWS_PER_BUFFER:  # a state whose shapes change: the oldest goes
+                    del views[next(iter(views))]
                 out = views[key] = buf.view(dtype).view(shape)
             return out
 

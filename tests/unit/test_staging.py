@@ -56,3 +56,15 @@ def test_a_copy_that_fails_gives_its_buffer_back() -> None:
     item.fail(RuntimeError("copy failed"))
     item._copy_failed()
     assert _kept(pool) == 1024 and pool._used_bytes == 0
+
+
+def test_a_buffer_keeps_a_few_views_of_the_shapes_it_was_viewed_as() -> None:
+    # A state whose shapes change views one buffer as ever new shapes; each view is cached, and
+    # without a bound the cache grows by one tensor per step for as long as the buffer lives.
+    pool = HostBuffers(None)
+    buf = pool.acquire(64)
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        view = pool.view(buf, torch.uint8, (rows, 64 // rows))
+        assert view.shape == (rows, 64 // rows) and view.data_ptr() == buf.data_ptr()
+    assert len(pool._views[id(buf)]) == 4
+    assert pool.view(buf, torch.uint8, (64, 1)) is view  # the latest views stay cached
