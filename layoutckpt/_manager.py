@@ -123,6 +123,7 @@ class CheckpointManager:
         self._last: SaveFuture | None = None
         self._retention: concurrent.futures.ThreadPoolExecutor | None = None
         self._retiring: list[concurrent.futures.Future[None]] = []
+        self._retire_for: SaveFuture | None = None  # the newest save a retention run waits for
         self._newest: int | None = None  # the newest step of the run, known from the first save on
 
         # Rank 0 takes the lock and cleans up; every rank learns whether it could.
@@ -385,13 +386,21 @@ class CheckpointManager:
         return fut
 
     def _retire_later(self, fut: SaveFuture) -> None:
-        """Queue retention to run once ``fut`` has committed. Runs that ended well are forgotten
-        here; ``wait()`` raises the failure of one that did not."""
+        """Queue retention to run once ``fut`` has committed. A run already queued and not yet
+        started serves: it waits for the newest save when it starts, and lists the steps then.
+        Saves that come faster than deletions (two ranks' writer threads contend with them)
+        would otherwise queue a run per save and keep every step on disk meanwhile. Runs that
+        ended well are forgotten here; ``wait()`` raises the failure of one that did not."""
         assert self._retention is not None
+        self._retire_for = fut
         self._retiring = [f for f in self._retiring if not f.done() or f.exception() is not None]
-        self._retiring.append(self._retention.submit(self._retire_after, fut))
+        if self._retiring and not self._retiring[-1].running() and not self._retiring[-1].done():
+            return
+        self._retiring.append(self._retention.submit(self._retire_after))
 
-    def _retire_after(self, fut: SaveFuture) -> None:
+    def _retire_after(self) -> None:
+        fut = self._retire_for
+        assert fut is not None
         if fut._future.exception() is not None:
             return  # a failed save changes nothing; the checkpoints we have stay
         for step in to_delete(self.steps(), self.keep_last, self.keep_every):

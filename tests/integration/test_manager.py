@@ -157,6 +157,30 @@ def test_a_long_run_keeps_no_record_of_retention_that_ended_well(tmp_path):
         assert mgr.steps() == [20]
 
 
+def test_retention_slower_than_the_saves_queues_one_run_not_one_per_save(tmp_path, monkeypatch):
+    # Two ranks' writer threads slowed deletions below the save rate: a run per save queued up
+    # (130 after 150 saves), each holding its save's future, and every step stayed on disk.
+    started, go = threading.Event(), threading.Event()
+    retire = _manager.retire_step
+
+    def slow(loc, step):
+        started.set()
+        go.wait()
+        retire(loc, step)
+
+    monkeypatch.setattr(_manager, "retire_step", slow)
+    with lc.CheckpointManager(tmp_path / "run", keep_last=1) as mgr:
+        mgr.save(1, state_of(1), LAYOUT).result()
+        mgr.save(2, state_of(2), LAYOUT).result()
+        assert started.wait(10)  # the first run is deleting step 1, held here
+        for s in range(3, 21):
+            mgr.save(s, state_of(s), LAYOUT).result()
+        assert len(mgr._retiring) == 2  # the running one, and one queued for all later saves
+        go.set()
+    with lc.CheckpointManager(tmp_path / "run", keep_last=1) as again:
+        assert again.steps() == [20]
+
+
 def test_a_rollback_deletes_the_newer_steps_before_saving_older_ones(tmp_path):
     """After a rollback the abandoned newer steps would stay the newest: a restart would resume
     from them, and retention would keep them over every new save. Saving an older step is
