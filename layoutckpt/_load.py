@@ -456,17 +456,17 @@ def _targets(
             continue
         rule = layout.rule_for(gname) if user_layout is not None and target is not None else None
         view = rule[1] if rule is not None else None
-        if isinstance(view, Fused) and gname in stored_leaves and not is_dtensor(target):
-            # Saved without its Fused rule: one array, whose parts lie one after another.
-            c = _plan_fused_whole(gname, view, target, meta, layout.mesh, comm.rank)
-            if c is not None:
-                composites[name] = c
-                holders.update({key: (layout.mesh, view.spec, f"{view!r} {tuple(target.shape)}") for key, _ in c.parts})
-                continue
-        if isinstance(view, Fused) and gname in stored_leaves:
-            view = None  # each rank's rows are a plain piece of the one array (``_stored_of``)
+        c = None
         if isinstance(view, Fused | Padded) and not is_dtensor(target):
-            composites[name] = c = _plan_view(gname, view, target, meta, layout.mesh, comm.rank)
+            if isinstance(view, Fused) and gname in stored_leaves:
+                # Saved without its Fused rule: one array, whose parts lie one after another;
+                # None where each rank's rows are a plain piece of it (read as ``_stored_of`` says).
+                c = _plan_fused_whole(gname, view, target, meta, layout.mesh, comm.rank)
+            else:
+                c = _plan_view(gname, view, target, meta, layout.mesh, comm.rank)
+        if c is not None:
+            assert isinstance(view, Fused | Padded)
+            composites[name] = c
             decides = f"{view!r} {tuple(target.shape)}"  # the template's shape cuts the parts
             holders.update({key: (layout.mesh, view.spec, decides) for key, _ in c.parts})
             continue
